@@ -1,0 +1,141 @@
+"""Backend `reference`: the specification.  Materialises the scores in float64 and follows the
+contract literally (it is the oracle of the tests and of `flashport check`; never auto-selected).
+
+For tests, `reference_attention(..., dropout_mask=...)` takes an explicit [B, Hq, Sq, Sk] keep-mask.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+from ..dropout import dense_keep_mask
+from ..kvcache import gather_pages
+from ..masks import alibi_bias, visible
+from ..spec import AttnInputs, AttnSpec, dense_spec
+
+
+def materialized_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi: Optional[torch.Tensor] = None,
+                           left: int = -1, right: int = -1, seqlens_k: Optional[torch.Tensor] = None,
+                           keep: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
+                           compute_dtype: torch.dtype = torch.float64):
+    """q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> out [B, Sq, Hq, Dv] (q's dtype),
+    lse [B, Hq, Sq] float32.  alibi [B, Hq] float32; seqlens_k [B] valid keys per batch entry
+    (bottom-right alignment uses them); keep [B, Hq, Sq, Sk] bool keep-mask for dropout."""
+    b, sq, hq, _ = q.shape
+    sk, hkv = k.shape[1], k.shape[2]
+    g = hq // hkv
+    cd = compute_dtype
+    qf = q.to(cd).transpose(1, 2)                                   # [B, Hq, Sq, D]
+    kf = k.to(cd).transpose(1, 2).repeat_interleave(g, dim=1)       # [B, Hq, Sk, D]
+    vf = v.to(cd).transpose(1, 2).repeat_interleave(g, dim=1)       # [B, Hq, Sk, Dv]
+    s = scale * (qf @ kf.transpose(-1, -2))                         # [B, Hq, Sq, Sk]
+    if softcap > 0:
+        s = softcap * torch.tanh(s / softcap)
+    i = torch.arange(sq, device=q.device)[:, None]
+    j = torch.arange(sk, device=q.device)[None, :]
+    skv = sk if seqlens_k is None else seqlens_k.to(torch.int64)[:, None, None, None]
+    if alibi is not None:
+        s = s + alibi_bias(alibi[:, :, None, None].to(cd), i, j, sq, skv).to(cd)
+    vis = visible(i, j, sq, skv, left, right)
+    vis = vis.expand(b, hq, sq, sk) if vis.dim() == 4 else vis.expand(b, hq, sq, sk)
+    # A finite fill keeps empty rows free of NaN in forward and backward: their l is 0, so p = 0,
+    # out = 0 and lse = -inf, and every gradient through them is exactly zero.
+    filled = torch.where(vis, s, torch.full_like(s, -1e300 if cd == torch.float64 else -1e30))
+    m = filled.amax(-1, keepdim=True).detach()
+    e = torch.where(vis, torch.exp(filled - m), torch.zeros_like(s))
+    l = e.sum(-1, keepdim=True)
+    nonempty = l > 0
+    p = e / torch.where(nonempty, l, torch.ones_like(l))
+    lse = torch.where(nonempty, m + torch.log(torch.where(nonempty, l, torch.ones_like(l))),
+                      torch.full_like(l, float("-inf"))).squeeze(-1)
+    if dropout_p > 0:
+        p = p * keep.to(cd) / (1.0 - dropout_p)
+    out = (p @ vf).transpose(1, 2)                                  # [B, Sq, Hq, Dv]
+    return out.to(q.dtype), lse.to(torch.float32)
+
+
+def _alibi_bh(spec: AttnSpec, slopes: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
+    if slopes is None:
+        return None
+    return slopes.expand(batch, spec.heads_q) if slopes.dim() == 1 else slopes
+
+
+def _keep(spec: AttnSpec, inputs: AttnInputs, sq: int, sk: int, batch_index=None, batch=None):
+    if spec.dropout_p == 0:
+        return None
+    if inputs.dropout_mask is not None:
+        return inputs.dropout_mask
+    return dense_keep_mask(inputs.rng_state, spec.dropout_p, batch if batch is not None else spec.batch,
+                           spec.heads_q, sq, sk, batch_index=batch_index)
+
+
+def _kw(spec: AttnSpec):
+    return dict(scale=spec.softmax_scale, softcap=spec.softcap, left=spec.window_left,
+                right=spec.window_right, dropout_p=spec.dropout_p)
+
+
+class ReferenceBackend(dispatch.Backend):
+    name = "reference"
+    auto = False
+    slow_on_gpu = True
+    capabilities = {"materialises_scores": True, "fwd": True, "bwd": True, "varlen": True, "kvcache": True,
+                    "paged_kvcache": True, "dropout": True, "alibi": True, "softcap": True, "window": True,
+                    "dtypes": ["float16", "bfloat16", "float32", "float64"], "devices": "any"}
+
+    def supports(self, spec: AttnSpec) -> list[str]:
+        return []
+
+    def run(self, spec: AttnSpec, inputs: AttnInputs):
+        if spec.kind == "dense":
+            return materialized_attention(
+                inputs.q, inputs.k, inputs.v, alibi=_alibi_bh(spec, inputs.alibi_slopes, spec.batch),
+                keep=_keep(spec, inputs, spec.seqlen_q, spec.seqlen_k), **_kw(spec))
+        if spec.kind == "kvcache":
+            k, v = inputs.k, inputs.v
+            if spec.paged:
+                k, v = gather_pages(k, inputs.block_table), gather_pages(v, inputs.block_table)
+            return materialized_attention(inputs.q, k, v, alibi=_alibi_bh(spec, inputs.alibi_slopes, spec.batch),
+                                          seqlens_k=inputs.seqlens_k, **_kw(spec))
+        return self._varlen(spec, inputs)
+
+    def _varlen(self, spec: AttnSpec, inputs: AttnInputs):
+        q, k, v = inputs.q, inputs.k, inputs.v
+        cq = inputs.cu_seqlens_q.tolist()
+        ck = inputs.cu_seqlens_k.tolist()
+        alibi = _alibi_bh(spec, inputs.alibi_slopes, spec.batch)
+        outs, lses = [], []
+        for b in range(spec.batch):
+            qb = q[cq[b]:cq[b + 1]][None]
+            kb, vb = k[ck[b]:ck[b + 1]][None], v[ck[b]:ck[b + 1]][None]
+            keep = None
+            if spec.dropout_p > 0:
+                keep = (inputs.dropout_mask[b:b + 1, :, :qb.shape[1], :kb.shape[1]] if inputs.dropout_mask is not None
+                        else dense_keep_mask(inputs.rng_state, spec.dropout_p, 1, spec.heads_q, qb.shape[1],
+                                             kb.shape[1], batch_index=b))
+            o, l = materialized_attention(qb, kb, vb, alibi=None if alibi is None else alibi[b:b + 1], keep=keep,
+                                          **_kw(spec))
+            outs.append(o[0])
+            lses.append(l[0])
+        tail = q.shape[0] - cq[-1]  # rows past cu_seqlens_q[-1]: zeros, lse -inf
+        outs.append(q.new_zeros(tail, spec.heads_q, spec.head_dim_v))
+        lses.append(torch.full((spec.heads_q, tail), float("-inf"), device=q.device))
+        return torch.cat(outs, 0), torch.cat(lses, 1)
+
+
+def reference_attention(q, k, v, *, dropout_mask: Optional[torch.Tensor] = None, **kwargs):
+    """`flashport.attention` on the reference backend, with an optional explicit dropout keep-mask
+    [B, Hq, Sq, Sk] (bool) in place of the one drawn from the generator."""
+    return_lse = kwargs.get("return_lse", False)
+    kwargs.pop("backend", None)
+    spec, inputs = dense_spec(q, k, v, **{**_DEFAULTS, **kwargs})
+    inputs.dropout_mask = dropout_mask
+    if spec.dropout_p > 0 and dropout_mask is None:
+        raise ValueError("reference_attention with dropout_p > 0 needs dropout_mask")
+    out, lse = ReferenceBackend().run(spec, inputs)
+    return (out, lse) if return_lse else out
+
+
+_DEFAULTS = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                 dropout_p=0.0, deterministic=False, return_lse=False)
