@@ -41,6 +41,7 @@ class Backend:
 
     name: str = "?"
     auto: bool = True            # may auto-selection pick it?
+    auto_devices: tuple = ()     # device types auto-selection may pick it on; () = every device
     slow_on_gpu: bool = False    # materialises scores or runs at PyTorch-op speed on a GPU
     capabilities: dict = {}
 
@@ -109,7 +110,7 @@ def select(spec: AttnSpec, backend: str | None = None) -> Backend:
         return b
     tried = []
     for b in _REGISTRY.values():
-        if not b.auto:
+        if not b.auto or (b.auto_devices and spec.device.type not in b.auto_devices):
             continue
         reasons = _reasons(b, spec)
         if reasons:

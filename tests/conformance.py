@@ -15,6 +15,7 @@ import torch
 
 import flashport
 from flashport.backend.reference import materialized_attention
+from flashport.check import assert_within_rule, noise  # noqa: F401  (the rule lives there, shared with `flashport check`)
 
 
 @dataclass(frozen=True)
@@ -54,23 +55,6 @@ class Case:
 
     def replace(self, **kw) -> "Case":
         return dataclasses.replace(self, **kw)
-
-
-def noise(dtype: torch.dtype, ref: torch.Tensor) -> float:
-    """Rounding noise of one cast to `dtype` at the reference's magnitude."""
-    mag = ref.abs().max().item() if ref.numel() else 0.0
-    return 2 * torch.finfo(dtype).eps * max(1.0, mag)
-
-
-def assert_within_rule(name: str, got: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor, dtype, factor: float):
-    assert got.shape == ref64.shape, f"{name}: shape {tuple(got.shape)} != {tuple(ref64.shape)}"
-    got64 = got.detach().double().cpu()
-    ref64 = ref64.detach().double().cpu()
-    assert torch.isfinite(got64).all(), f"{name}: non-finite values"
-    err = (got64 - ref64).abs().max().item() if ref64.numel() else 0.0
-    base = (lowp.detach().double().cpu() - ref64).abs().max().item() if ref64.numel() else 0.0
-    bound = factor * base + noise(dtype, ref64)
-    assert err <= bound, f"{name}: max error {err:.3e} > {factor} x math-path error {base:.3e} + noise"
 
 
 def _strided(x: torch.Tensor) -> torch.Tensor:

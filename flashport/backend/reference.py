@@ -36,14 +36,17 @@ def materialized_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi
     i = torch.arange(sq, device=q.device)[:, None]
     j = torch.arange(sk, device=q.device)[None, :]
     skv = sk if seqlens_k is None else seqlens_k.to(torch.int64)[:, None, None, None]
+    if seqlens_k is not None:  # cache slots past the valid length may hold garbage, even NaN, and 0 * NaN = NaN
+        vf = torch.where(torch.arange(sk, device=q.device)[None, None, :, None] < skv, vf, torch.zeros_like(vf))
     if alibi is not None:
         s = s + alibi_bias(alibi[:, :, None, None].to(cd), i, j, sq, skv).to(cd)
     vis = visible(i, j, sq, skv, left, right)
     vis = vis.expand(b, hq, sq, sk) if vis.dim() == 4 else vis.expand(b, hq, sq, sk)
     # A finite fill keeps empty rows free of NaN in forward and backward: their l is 0, so p = 0,
     # out = 0 and lse = -inf, and every gradient through them is exactly zero.
-    filled = torch.where(vis, s, torch.full_like(s, -1e300 if cd == torch.float64 else -1e30))
-    m = filled.amax(-1, keepdim=True).detach()
+    fill = -1e300 if cd == torch.float64 else max(-1e30, torch.finfo(cd).min)  # fp16 tops out at 65504
+    filled = torch.where(vis, s, torch.full_like(s, fill))
+    m = filled.amax(-1, keepdim=True).detach() if sk else filled.new_zeros(b, hq, sq, 1)  # Sk = 0: no keys
     e = torch.where(vis, torch.exp(filled - m), torch.zeros_like(s))
     l = e.sum(-1, keepdim=True)
     nonempty = l > 0

@@ -1,0 +1,366 @@
+"""Backend `blockwise`: FlashAttention-2 in plain PyTorch ops -- tiled online softmax, any device.
+
+Forward (per query tile of BLOCK_M rows, looping over key tiles of BLOCK_N columns):
+
+    s = scale * q_t @ k_t.T  (-> softcap * tanh(s / softcap), + ALiBi, hidden pairs -> -inf)
+    m_new = max(m_i, rowmax(s));  p = exp(s - m_new);  alpha = exp(m_i - m_new)
+    l_i = alpha * l_i + rowsum(p);  acc = alpha * acc + dropout(p) @ v_t;  m_i = m_new
+    out = acc / l_i,  lse = m_i + log(l_i)
+
+Backward recomputes each score tile from the saved LSE (p = exp(s - lse)), with
+D_i = rowsum(dO * O) and dS = P * (dP - D), so only q, k, v, out, lse (and the dropout
+rng_state) are kept between the passes: memory is O(S * D), never O(S^2).  Tiles the mask hides
+entirely are skipped (masks.key_range / query_range).
+
+GQA/MQA never expands K/V: query heads are viewed as [Hkv, G] and the G query heads of one KV
+head are stacked into the rows of one matmul against that head's keys, so dK/dV sum over the
+group inside the matmul.  Arithmetic runs in float32 (float64 for float64 inputs).
+
+It is deterministic by construction (a fixed sequential loop order, no atomics).  Varlen and the
+KV cache read their lengths on the host (one sync), which is fine for this backend: it is the
+portable fallback, not the fast path on a GPU.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+from ..dropout import dense_keep_mask, keep_mask
+from ..masks import alibi_bias, key_range, query_range, visible
+from ..spec import AttnInputs, AttnSpec
+
+# Tile sizes.  Module attributes (read at each call) so tests can shrink them to exercise
+# multi-tile paths on small shapes.  A [BLOCK_M * G, BLOCK_N] float32 tile of 128 x 512 is 256 KiB:
+# it stays in cache on a CPU while the matmuls are still big enough to run at full speed.
+BLOCK_M = 128
+BLOCK_N = 512
+# A tile holds B * Hq * BLOCK_M * BLOCK_N scores; large batches x heads shrink the tile to this many
+# elements (16 MiB in float32 per temporary) so memory stays bounded, whatever the batch.
+TILE_ELEMENTS = 1 << 22
+
+_NEG_INF = float("-inf")
+
+
+def dropout_mask(rng_state: torch.Tensor, p: float, batch: int, heads_q: int, sq: int, sk: int) -> torch.Tensor:
+    """The [B, Hq, Sq, Sk] bool keep-mask this backend applies for dropout (small shapes only).
+
+    It is the shared Philox mask of flashport.dropout, evaluated per tile with the same
+    (b, h, i, j) indices in forward and backward; here it is evaluated densely for tests."""
+    return dense_keep_mask(rng_state, p, batch, heads_q, sq, sk)
+
+
+@dataclass
+class _Tiling:
+    """Per-call constants shared by the forward and backward tile loops (the autograd options)."""
+
+    scale: float
+    softcap: float
+    left: int
+    right: int
+    dropout_p: float
+    rng_state: Optional[torch.Tensor]
+    heads_q: int
+    block_m: int
+    block_n: int
+
+
+def _fit(opt: _Tiling, rows: int) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for `rows` = B * Hq query rows per tile row, within TILE_ELEMENTS."""
+    bm, bn = opt.block_m, opt.block_n
+    while rows * bm * bn > TILE_ELEMENTS and bm > 16:
+        bm //= 2
+    while rows * bm * bn > TILE_ELEMENTS and bn > 16:
+        bn //= 2
+    return bm, bn
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _group_major(x: torch.Tensor, heads_kv: int, cd: torch.dtype) -> torch.Tensor:
+    """[B, S, Hq, D] -> contiguous [B, Hkv, G, S, D] in the compute dtype (query head h = kv * G + g)."""
+    b, s, hq, d = x.shape
+    return x.reshape(b, s, heads_kv, hq // heads_kv, d).permute(0, 2, 3, 1, 4).to(cd).contiguous()
+
+
+def _head_major(x: torch.Tensor, cd: torch.dtype) -> torch.Tensor:
+    """[B, S, Hkv, D] -> contiguous [B, Hkv, S, D] in the compute dtype."""
+    return x.permute(0, 2, 1, 3).to(cd).contiguous()
+
+
+def _rows(x: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
+    """[B, Hkv, G, S, ...] rows m0:m1 -> [B, Hkv, G * (m1 - m0), ...]: a group's rows share one matmul."""
+    b, hkv, g = x.shape[:3]
+    return x[:, :, :, m0:m1].reshape(b, hkv, g * (m1 - m0), *x.shape[4:])
+
+
+def _fully_visible(m0: int, m1: int, n0: int, n1: int, sq: int, sk: int, left: int, right: int) -> bool:
+    """True when every (i, j) in the tile is visible, so the tile needs no mask."""
+    if left >= 0 and n0 < (m1 - 1) + sk - sq - left:
+        return False
+    if right >= 0 and n1 - 1 > m0 + sk - sq + right:
+        return False
+    return True
+
+
+def _scores(q_t, k_t, m0, m1, n0, n1, sq, sk, opt: _Tiling, slopes):
+    """Final scores of one tile, [B, Hkv, G * BM, BN], hidden pairs at -inf; also tanh(raw / softcap)
+    (for the softcap gradient) or None.  slopes: [B, Hkv, G, 1, 1] ALiBi slopes in the compute
+    dtype, or None.  The scale multiplies the product (not q beforehand) so rounding matches the
+    math path: s = scale * (q @ k.T)."""
+    s = (q_t @ k_t.transpose(-1, -2)).mul_(opt.scale)
+    t = None
+    if opt.softcap > 0:
+        t = torch.tanh(s.div_(opt.softcap))
+        s = opt.softcap * t
+    needs_mask = not _fully_visible(m0, m1, n0, n1, sq, sk, opt.left, opt.right)
+    if slopes is None and not needs_mask:
+        return s, t
+    b, hkv, rows, bn = s.shape
+    s5 = s.view(b, hkv, slopes.shape[2] if slopes is not None else rows // (m1 - m0), m1 - m0, bn)
+    i = torch.arange(m0, m1, device=s.device)[:, None]
+    j = torch.arange(n0, n1, device=s.device)[None, :]
+    if slopes is not None:
+        s5 += alibi_bias(slopes, i, j, sq, sk).to(s.dtype)
+    if needs_mask:
+        s5.masked_fill_(~visible(i, j, sq, sk, opt.left, opt.right), _NEG_INF)
+    return s, t
+
+
+def _keep(opt: _Tiling, b0: int, batch: int, heads_kv: int, m0, m1, n0, n1, device) -> torch.Tensor:
+    """Dropout keep-mask of one tile, [B, Hkv, G * BM, BN]: the same (b, h, i, j) in fwd and bwd."""
+    g = opt.heads_q // heads_kv
+    bs = (torch.arange(batch, device=device) + b0).view(batch, 1, 1, 1, 1)
+    hs = torch.arange(opt.heads_q, device=device).view(1, heads_kv, g, 1, 1)
+    i = torch.arange(m0, m1, device=device).view(1, 1, 1, -1, 1)
+    j = torch.arange(n0, n1, device=device).view(1, 1, 1, 1, -1)
+    keep = keep_mask(opt.rng_state, opt.dropout_p, bs, hs, i, j, opt.heads_q)
+    return keep.reshape(batch, heads_kv, g * (m1 - m0), n1 - n0)
+
+
+def _slopes5(alibi: Optional[torch.Tensor], heads_kv: int, cd) -> Optional[torch.Tensor]:
+    if alibi is None:
+        return None
+    b, hq = alibi.shape
+    return alibi.to(cd).view(b, heads_kv, hq // heads_kv, 1, 1)
+
+
+def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b0: int = 0):
+    """One dense problem.  q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv]; alibi [B, Hq]
+    float32 or None; b0 = batch index of q[0] (dropout counters).
+
+    Returns out [B, Sq, Hq, Dv] in q's dtype and lse [B, Hq, Sq] in the compute dtype.
+    Equivalent to materialized_attention(q, k, v, ...) without ever holding an [Sq, Sk] matrix."""
+    b, sq, hq, _ = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = hq // hkv
+    cd = _compute_dtype(q.dtype)
+    qh = _group_major(q, hkv, cd)                             # [B, Hkv, G, Sq, D]
+    kh, vh = _head_major(k, cd), _head_major(v, cd)           # [B, Hkv, Sk, D|Dv]
+    slopes = _slopes5(alibi, hkv, cd)
+    out = torch.zeros(b, hkv, g, sq, dv, dtype=cd, device=q.device)
+    lse = torch.full((b, hkv, g, sq), _NEG_INF, dtype=cd, device=q.device)
+    block_m, block_n = _fit(opt, b * hq)
+    for m0 in range(0, sq, block_m):
+        m1 = min(m0 + block_m, sq)
+        lo, hi = key_range(m0, m1, sq, sk, opt.left, opt.right)
+        if lo >= hi:
+            continue  # every row of this tile sees no key: zeros, lse -inf
+        q_t = _rows(qh, m0, m1)
+        m_i = torch.full(q_t.shape[:3], _NEG_INF, dtype=cd, device=q.device)
+        l_i = torch.zeros_like(m_i)
+        acc = torch.zeros(*q_t.shape[:3], dv, dtype=cd, device=q.device)
+        for n0 in range(lo, hi, block_n):
+            n1 = min(n0 + block_n, hi)
+            s, _ = _scores(q_t, kh[:, :, n0:n1], m0, m1, n0, n1, sq, sk, opt, slopes)
+            m_new = torch.maximum(m_i, s.amax(-1))
+            # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
+            # exp(-inf - m) = 0 rather than NaN.
+            m_safe = torch.where(m_new == _NEG_INF, torch.zeros_like(m_new), m_new)
+            p = s.sub_(m_safe[..., None]).exp_()
+            alpha = torch.exp(m_i - m_safe)
+            l_i = l_i * alpha + p.sum(-1)                     # normaliser uses the undropped p
+            if opt.dropout_p > 0:
+                p = p * _keep(opt, b0, b, hkv, m0, m1, n0, n1, q.device) / (1.0 - opt.dropout_p)
+            acc.mul_(alpha[..., None]).add_(p @ vh[:, :, n0:n1])
+            m_i = m_new
+        seen = l_i > 0
+        acc /= torch.where(seen, l_i, torch.ones_like(l_i))[..., None]
+        out[:, :, :, m0:m1] = acc.view(b, hkv, g, m1 - m0, dv)
+        lse_t = torch.where(seen, m_i + torch.log(torch.where(seen, l_i, torch.ones_like(l_i))),
+                            torch.full_like(l_i, _NEG_INF))
+        lse[:, :, :, m0:m1] = lse_t.view(b, hkv, g, m1 - m0)
+    out = out.permute(0, 3, 1, 2, 4).reshape(b, sq, hq, dv).to(q.dtype)
+    return out, lse.reshape(b, hq, sq)
+
+
+def backward_tiles(do, q, k, v, out, lse, dlse, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b0: int = 0):
+    """Gradients of one dense problem (shapes as forward_tiles; do like out, lse [B, Hq, Sq] in the
+    compute dtype, dlse like lse or None).  Returns dq, dk, dv in the inputs' dtypes.
+
+    Outer loop over key tiles (dK, dV accumulate per tile), inner loop over the query tiles that can
+    see them; dQ accumulates in a float buffer.  With p = exp(s - lse) recomputed:
+        dV += dropout(p).T @ dO;  dP = dropout(dO @ V.T);  dS = p * (dP - (rowsum(dO * O) - dlse))
+        (softcap: dS *= 1 - tanh^2);  dQ += scale * dS @ K;  dK += scale * dS.T @ Q
+    The dlse term makes gradients flow through a returned lse too (d lse_i / d s_ij = p_ij)."""
+    b, sq, hq, d = q.shape
+    sk, hkv, dv = k.shape[1], k.shape[2], v.shape[3]
+    g = hq // hkv
+    cd = _compute_dtype(q.dtype)
+    qh = _group_major(q, hkv, cd)
+    doh = _group_major(do, hkv, cd)
+    kh, vh = _head_major(k, cd), _head_major(v, cd)
+    slopes = _slopes5(alibi, hkv, cd)
+    delta = (doh * _group_major(out, hkv, cd)).sum(-1)         # [B, Hkv, G, Sq]
+    if dlse is not None:
+        delta -= dlse.to(cd).view(b, hkv, g, sq)
+    # Rows that see no key have lse = -inf; +inf there makes p = exp(-inf - inf) = 0, never NaN.
+    lse_h = lse.to(cd).view(b, hkv, g, sq)
+    lse_h = torch.where(lse_h == _NEG_INF, torch.full_like(lse_h, float("inf")), lse_h)
+    dq = torch.zeros(b, hkv, g, sq, d, dtype=cd, device=q.device)
+    dk = torch.zeros(b, hkv, sk, d, dtype=cd, device=q.device)
+    dvh = torch.zeros(b, hkv, sk, dv, dtype=cd, device=q.device)
+    block_m, block_n = _fit(opt, b * hq)
+    for n0 in range(0, sk, block_n):
+        n1 = min(n0 + block_n, sk)
+        lo, hi = query_range(n0, n1, sq, sk, opt.left, opt.right)
+        k_t, v_t = kh[:, :, n0:n1], vh[:, :, n0:n1]
+        for m0 in range(lo, hi, block_m):
+            m1 = min(m0 + block_m, hi)
+            q_t, do_t = _rows(qh, m0, m1), _rows(doh, m0, m1)
+            s, t = _scores(q_t, k_t, m0, m1, n0, n1, sq, sk, opt, slopes)
+            p = s.sub_(_rows(lse_h, m0, m1)[..., None]).exp_()
+            dp = do_t @ v_t.transpose(-1, -2)
+            if opt.dropout_p > 0:
+                zk = _keep(opt, b0, b, hkv, m0, m1, n0, n1, q.device) / (1.0 - opt.dropout_p)
+                dvh[:, :, n0:n1] += (p * zk).transpose(-1, -2) @ do_t
+                dp.mul_(zk)
+            else:
+                dvh[:, :, n0:n1] += p.transpose(-1, -2) @ do_t
+            ds = dp.sub_(_rows(delta, m0, m1)[..., None]).mul_(p)
+            if t is not None:
+                ds.mul_(1.0 - t * t)
+            dq[:, :, :, m0:m1] += (ds @ k_t).view(b, hkv, g, m1 - m0, d)
+            dk[:, :, n0:n1] += ds.transpose(-1, -2) @ q_t
+    dq = (dq * opt.scale).permute(0, 3, 1, 2, 4).reshape(b, sq, hq, d).to(q.dtype)
+    dk = (dk * opt.scale).permute(0, 2, 1, 3).to(k.dtype)
+    return dq, dk, dvh.permute(0, 2, 1, 3).to(v.dtype)
+
+
+@dataclass
+class _Call:
+    """Options object of the autograd Function: tiling constants plus the dense/varlen layout."""
+
+    tiling: _Tiling
+    alibi: Optional[torch.Tensor]          # [B, Hq] float32 or None
+    segments: Optional[list] = None        # varlen: [(q0, q1, k0, k1)] per sequence; None = dense
+
+    def _alibi(self, b: int):
+        return None if self.alibi is None else self.alibi[b:b + 1]
+
+    def forward(self, q, k, v):
+        if self.segments is None:
+            return forward_tiles(q, k, v, self.tiling, self.alibi)
+        hq, dv = q.shape[1], v.shape[2]
+        out = q.new_zeros(q.shape[0], hq, dv)                 # rows past cu_seqlens_q[-1] stay zero
+        lse = torch.full((hq, q.shape[0]), _NEG_INF, dtype=_compute_dtype(q.dtype), device=q.device)
+        for b, (q0, q1, k0, k1) in enumerate(self.segments):
+            if q1 > q0 and k1 > k0:
+                o, l = forward_tiles(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None], self.tiling, self._alibi(b), b)
+                out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+        return out, lse
+
+    def backward(self, do, dlse, q, k, v, out, lse):
+        if self.segments is None:
+            return backward_tiles(do, q, k, v, out, lse, dlse, self.tiling, self.alibi)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for b, (q0, q1, k0, k1) in enumerate(self.segments):
+            if q1 > q0 and k1 > k0:
+                g = backward_tiles(do[q0:q1][None], q[q0:q1][None], k[k0:k1][None], v[k0:k1][None],
+                                   out[q0:q1][None], lse[:, q0:q1][None],
+                                   None if dlse is None else dlse[:, q0:q1][None], self.tiling, self._alibi(b), b)
+                dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
+        return dq, dk, dv
+
+
+class _BlockwiseAttention(torch.autograd.Function):
+    """Saves q, k, v, out and lse (in the compute dtype) only; the rng_state rides in the options."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, call: _Call):
+        out, lse = call.forward(q, k, v)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.call = call
+        ctx.set_materialize_grads(False)
+        return out, lse.to(torch.float32)
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        if dout is None and dlse is None:
+            return None, None, None, None
+        if dout is None:
+            dout = torch.zeros_like(out)
+        dq, dk, dv = ctx.call.backward(dout, dlse, q, k, v, out, lse)
+        return dq, dk, dv, None
+
+
+def _kvcache(spec: AttnSpec, inputs: AttnInputs, opt: _Tiling, alibi):
+    """Inference over a dense or paged cache: batch entry b attends to its first seqlens_k[b] keys
+    (host values), gathered from its pages for a paged cache (an O(S * D) copy)."""
+    q, kc, vc = inputs.q, inputs.k, inputs.v
+    if inputs.seqlens_k is None:  # the whole dense cache is valid
+        out, lse = forward_tiles(q, kc, vc, opt, alibi)
+        return out, lse.to(torch.float32)
+    outs, lses = [], []
+    for b, n in enumerate(inputs.seqlens_k.tolist()):
+        if spec.paged:
+            page = kc.shape[1]
+            blocks = inputs.block_table[b, :-(-n // page)].to(torch.int64)
+            kb = kc[blocks].reshape(1, -1, *kc.shape[2:])[:, :n]
+            vb = vc[blocks].reshape(1, -1, *vc.shape[2:])[:, :n]
+        else:
+            kb, vb = kc[b:b + 1, :n], vc[b:b + 1, :n]
+        o, l = forward_tiles(q[b:b + 1], kb, vb, opt, None if alibi is None else alibi[b:b + 1], b)
+        outs.append(o)
+        lses.append(l)
+    if not outs:
+        return q.new_zeros(*q.shape[:3], spec.head_dim_v), q.new_zeros(0, spec.heads_q, q.shape[1], dtype=torch.float32)
+    return torch.cat(outs), torch.cat(lses).to(torch.float32)
+
+
+class BlockwiseBackend(dispatch.Backend):
+    name = "blockwise"
+    auto = True
+    slow_on_gpu = True  # correct everywhere, but PyTorch-op speed: Triton/SDPA should win on a GPU
+    capabilities = {"materialises_scores": False, "memory": "O(S*D)", "fwd": True, "bwd": True,
+                    "varlen": True, "kvcache": True, "paged_kvcache": True, "dropout": True, "alibi": True,
+                    "softcap": True, "window": True, "gqa": True, "head_dims": "any", "dv_differs": True,
+                    "deterministic": True, "dtypes": ["float16", "bfloat16", "float32", "float64"],
+                    "devices": "any", "host_sync": "varlen and kvcache read lengths on the host"}
+
+    def supports(self, spec: AttnSpec) -> list[str]:
+        return []  # every call the contract allows; validation already rejected the rest
+
+    def run(self, spec: AttnSpec, inputs: AttnInputs):
+        alibi = inputs.alibi_slopes
+        if alibi is not None and alibi.dim() == 1:
+            alibi = alibi.expand(spec.batch, spec.heads_q)
+        opt = _Tiling(scale=spec.softmax_scale, softcap=spec.softcap, left=spec.window_left,
+                      right=spec.window_right, dropout_p=spec.dropout_p, rng_state=inputs.rng_state,
+                      heads_q=spec.heads_q, block_m=BLOCK_M, block_n=BLOCK_N)
+        if spec.kind == "kvcache":
+            return _kvcache(spec, inputs, opt, alibi)
+        segments = None
+        if spec.kind == "varlen":
+            cq, ck = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
+            segments = [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(spec.batch)]
+        call = _Call(opt, alibi, segments)
+        if spec.needs_grad:
+            return _BlockwiseAttention.apply(inputs.q, inputs.k, inputs.v, call)
+        out, lse = call.forward(inputs.q, inputs.k, inputs.v)
+        return out, lse.to(torch.float32)

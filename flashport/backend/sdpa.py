@@ -1,0 +1,218 @@
+"""Backend `sdpa`: PyTorch's own fused attention kernels (cuDNN, FlashAttention-2, mem-efficient)
+through `torch.nn.functional.scaled_dot_product_attention`, for the calls they compute exactly.
+
+Equivalent math (layout [B, Sq, Hq, D] in, [B, Sq, Hq, Dv] out):
+    q_, k_, v_ = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)   # views, no copy
+    out = F.scaled_dot_product_attention(q_, k_, v_, is_causal=..., scale=softmax_scale,
+                                         enable_gqa=Hq != Hkv).transpose(1, 2)
+
+What it serves, and why not more:
+- dense calls with no window or a causal one.  SDPA's `is_causal` is top-left aligned; flashport's
+  rule is bottom-right, so for Sq != Sk we pass `causal_lower_right(Sq, Sk)`.  With Sq > Sk the
+  first rows see no key and SDPA returns NaN there (flashport returns 0), so that is refused.
+- no softcap, ALiBi, sliding windows, varlen or KV cache: SDPA has no fused form of them (an
+  additive mask would materialise Sq x Sk).
+- no dropout: SDPA draws its own RNG mask, not flashport's shared Philox keep-mask.
+- no `return_lse`: SDPA does not expose the log-sum-exp publicly.
+- CUDA: only the fused kernels are allowed (cuDNN > FA2 > mem-efficient, in that priority), never
+  the MATH kernel, which materialises the scores; fp64 is refused (no fused kernel takes it), and
+  so is deterministic backward (fused SDPA backward uses atomics).  On CPU, PyTorch's default
+  choice is used (its flash-style CPU kernel for plain calls); `sdpa` is not auto-selected there.
+Gradients flow through SDPA's own autograd.
+"""
+from __future__ import annotations
+
+import inspect
+import warnings
+from functools import lru_cache
+
+import torch
+import torch.nn.functional as F
+
+from .. import dispatch
+from ..spec import AttnInputs, AttnSpec
+
+
+def _torch_at_least(major: int, minor: int) -> bool:
+    parts = torch.__version__.split("+")[0].split(".")
+    return (int(parts[0]), int(parts[1])) >= (major, minor)
+
+
+_HAS_GQA = _torch_at_least(2, 5)  # enable_gqa= first appeared in torch 2.5
+
+try:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+except ImportError:  # pragma: no cover - torch too old; availability() says so
+    SDPBackend = sdpa_kernel = None
+
+
+def causal_lower_right(sq: int, sk: int):
+    # Imported on first use: torch.nn.attention.bias pulls in torch._dynamo (seconds of import time).
+    from torch.nn.attention.bias import causal_lower_right as bias
+    return bias(sq, sk)
+
+# set_priority= (honour the list's order) first appeared in torch 2.6; before, PyTorch's own order
+# (flash, efficient, then cuDNN) applies among the allowed kernels.
+_SET_PRIORITY = sdpa_kernel is not None and "set_priority" in inspect.signature(sdpa_kernel).parameters
+
+# Priority order on CUDA.  MATH is deliberately absent: it materialises Sq x Sk scores.
+_FUSED = ("cudnn", "flash", "efficient")
+
+
+def _fused_backends():
+    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+def _can_use():
+    c = torch.backends.cuda
+    return {"cudnn": getattr(c, "can_use_cudnn_attention", None), "flash": c.can_use_flash_attention,
+            "efficient": c.can_use_efficient_attention}
+
+
+def _causal_kind(spec: AttnSpec) -> str:
+    """'none', 'top_left' (Sq == Sk, where both alignments agree) or 'lower_right'."""
+    if spec.window_right == -1:
+        return "none"
+    return "top_left" if spec.seqlen_q == spec.seqlen_k else "lower_right"
+
+
+@lru_cache(maxsize=512)
+def _probe_cuda(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: int, dv: int, sq: int,
+                sk: int, causal_kind: str, needs_grad: bool) -> tuple[tuple[str, ...], tuple[str, ...]]:
+    """Which fused SDPA kernels accept this call -> (usable kernel names, reasons of the others).
+
+    Asks PyTorch's own `can_use_*` checks on small stand-in tensors with the call's head counts,
+    head dims, dtype, layout (a [B, S, H, D] buffer seen as [B, H, S, D]) and grad requirement;
+    sequence lengths are capped because no fused kernel's eligibility depends on their size."""
+    def t(s, h, dim):
+        return torch.empty(1, s, h, dim, device=device, dtype=dtype, requires_grad=needs_grad).transpose(1, 2)
+
+    sq_, sk_ = max(1, min(sq, 16)), max(1, min(sk, 16))
+    if causal_kind == "top_left":
+        sk_ = sq_
+    q, k, v = t(sq_, hq, d), t(sk_, hkv, d), t(sk_, hkv, dv)
+    # The lower-right bias path (torch.nn.attention.bias.CausalBias) asks flash, then efficient,
+    # with is_causal=False, and otherwise materialises a mask: only those two may serve it.
+    names = ("flash", "efficient") if causal_kind == "lower_right" else _FUSED
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal_kind == "top_left", hq != hkv)
+    usable, reasons = [], []
+    with sdpa_kernel(_fused_backends()):
+        for name in names:
+            fn = _can_use()[name]
+            if fn is None:
+                reasons.append(f"{name}: not in this torch build")
+                continue
+            with warnings.catch_warnings(record=True) as caught:
+                warnings.simplefilter("always")
+                ok = bool(fn(params, debug=True))
+            if ok:
+                usable.append(name)
+            else:
+                why = "; ".join(str(w.message).strip().splitlines()[0] for w in caught) or \
+                    "refused by torch.backends.cuda.can_use_*"
+                reasons.append(f"{name}: {why}")
+    if causal_kind == "lower_right" and hq != hkv and "flash" not in usable:
+        # CausalBias hands GQA to the mem-efficient op without expanding K/V, which it cannot take.
+        usable = []
+        reasons.append("efficient: lower-right causal bias path has no GQA")
+    return tuple(usable), tuple(reasons)
+
+
+class SdpaBackend(dispatch.Backend):
+    name = "sdpa"
+    slow_on_gpu = False
+    # CPU gets flashport's own blockwise path automatically; sdpa on CPU is there when asked for.
+    auto_devices = ("cuda",)
+
+    @property
+    def capabilities(self) -> dict:
+        caps = {"materialises_scores": False, "fwd": True, "bwd": True, "varlen": False, "kvcache": False,
+                "paged_kvcache": False, "dropout": False, "alibi": False, "softcap": False,
+                "window": "unbounded or causal only", "return_lse": False, "gqa": _HAS_GQA,
+                "dtypes": {"cuda": ["float16", "bfloat16", "float32"],
+                           "cpu": ["float16", "bfloat16", "float32", "float64"]},
+                "devices": ["cuda", "cpu"]}
+        if torch.cuda.is_available():
+            c = torch.backends.cuda
+            caps["cuda_kernels"] = {
+                "cudnn": bool(torch.backends.cudnn.is_available() and c.cudnn_sdp_enabled()),
+                "flash": bool(c.is_flash_attention_available() and c.flash_sdp_enabled()),
+                "efficient": bool(c.mem_efficient_sdp_enabled()),
+                "math": "never (materialises scores)"}
+        return caps
+
+    def availability(self) -> list[str]:
+        if sdpa_kernel is None:
+            return [f"torch {torch.__version__} lacks torch.nn.attention.sdpa_kernel"]
+        return []
+
+    def supports(self, spec: AttnSpec) -> list[str]:
+        r = []
+        if spec.kind != "dense":
+            r.append(f"{spec.kind} not supported (SDPA has no packed or KV-cache form)")
+        if spec.softcap > 0:
+            r.append("softcap not supported")
+        if spec.alibi is not None:
+            r.append("alibi not supported")
+        if spec.window_left != -1 or spec.window_right not in (-1, 0):
+            r.append("sliding window not supported (only unbounded or causal)")
+        if spec.dropout_p > 0:
+            r.append("dropout not supported (SDPA's RNG mask differs from flashport's Philox keep-mask)")
+        if spec.return_lse:
+            r.append("sdpa does not expose lse")
+        if spec.heads_q != spec.heads_kv and not _HAS_GQA:
+            r.append("GQA needs torch >= 2.5 (enable_gqa)")
+        if spec.kind == "dense" and spec.seqlen_k == 0:
+            r.append("no keys (Sk = 0): SDPA would return NaN, flashport returns zeros")
+        if spec.window_right == 0 and spec.seqlen_q > spec.seqlen_k:
+            r.append("causal with Sq > Sk: rows that see no key come back NaN from SDPA")
+        if spec.device.type == "cuda" and not r:
+            r += self._cuda_reasons(spec)
+        return r
+
+    def _cuda_reasons(self, spec: AttnSpec) -> list[str]:
+        if spec.batch == 0 or spec.seqlen_q == 0:
+            return ["empty batch or query: the fused kernels refuse zero-size launches"]
+        if spec.dtype == torch.float64:
+            return ["float64 on CUDA: no fused SDPA kernel (only the materialising MATH one)"]
+        if spec.deterministic and spec.needs_grad:
+            return ["deterministic backward on CUDA: fused SDPA backward is not bitwise reproducible"]
+        usable, why = _probe_cuda(spec.device, spec.dtype, spec.heads_q, spec.heads_kv, spec.head_dim,
+                                  spec.head_dim_v, spec.seqlen_q, spec.seqlen_k, _causal_kind(spec),
+                                  spec.needs_grad)
+        if not usable:
+            return ["no fused SDPA kernel accepts this call (MATH is never used on CUDA): " + " | ".join(why)]
+        return []
+
+    def run(self, spec: AttnSpec, inputs: AttnInputs):
+        """-> (out [B, Sq, Hq, Dv] in q's dtype, lse).  `lse` is a NaN placeholder: SDPA does not expose
+        it, supports() refuses return_lse, and the public API drops it for every other call."""
+        q, k, v = (t.transpose(1, 2) for t in (inputs.q, inputs.k, inputs.v))  # [B, H, S, D] views
+        kind = _causal_kind(spec)
+        kw = dict(scale=spec.softmax_scale)
+        if spec.heads_q != spec.heads_kv:
+            kw["enable_gqa"] = True
+        if kind == "top_left":
+            kw["is_causal"] = True
+        elif kind == "lower_right":
+            kw["attn_mask"] = causal_lower_right(spec.seqlen_q, spec.seqlen_k)
+        if spec.device.type == "cuda":
+            out = self._run_cuda(q, k, v, kw)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, **kw)
+        out = out.transpose(1, 2).contiguous()  # no-op when the kernel wrote [B, Sq, Hq, Dv] already
+        lse = torch.full((1, 1, 1), float("nan"), dtype=torch.float32, device=out.device)
+        return out, lse.expand(spec.batch, spec.heads_q, spec.seqlen_q)
+
+    @staticmethod
+    def _run_cuda(q, k, v, kw):
+        prio = {"set_priority": True} if _SET_PRIORITY else {}
+        with sdpa_kernel(_fused_backends(), **prio):
+            try:
+                return F.scaled_dot_product_attention(q, k, v, **kw)
+            except RuntimeError as e:
+                if "No available kernel" not in str(e):
+                    raise
+                # The fused kernels may want a stride pattern the probe's stand-ins had; a copy fixes it
+                # (a copy of the inputs, not a materialisation of the scores).
+                return F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), **kw)

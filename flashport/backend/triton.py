@@ -1,0 +1,141 @@
+"""Backend `triton`: flashport's own FlashAttention kernels (flashport/kernels), forward and backward.
+
+Runs on CUDA devices of compute capability >= 8.0, and on CPU tensors when TRITON_INTERPRET=1
+(Triton's interpreter; CI uses it).  The kernels are imported on first use, because
+`triton.jit` decides at decoration time whether a kernel is compiled or interpreted: importing
+flashport never fixes that choice.  kvcache calls go to flashport.kernels.decode.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .. import dispatch
+from ..spec import AttnInputs, AttnSpec
+
+MAX_HEAD_DIM = 256
+MAX_GRID_YZ = 65535  # CUDA grid limit for the head and batch dimensions
+
+
+@functools.lru_cache(maxsize=None)
+def _triton_version() -> Optional[str]:
+    try:
+        import triton
+    except Exception:  # noqa: BLE001 - a broken install is as good as none
+        return None
+    return triton.__version__
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def _device_reasons(device: torch.device) -> list[str]:
+    if device.type == "cpu":
+        return [] if _interpreting() else ["CPU tensors need TRITON_INTERPRET=1 (Triton's interpreter)"]
+    if device.type != "cuda":
+        return [f"device type {device.type!r} is not supported (CUDA, or CPU under TRITON_INTERPRET=1)"]
+    if _interpreting():
+        return ["TRITON_INTERPRET=1 runs kernels on CPU tensors only"]
+    major, minor = _capability(device.index if device.index is not None else torch.cuda.current_device())
+    if major < 8:
+        return [f"compute capability {major}.{minor} < 8.0 (the kernels need Ampere or newer)"]
+    return []
+
+
+@dataclass
+class _Call:
+    """Everything but q, k, v that the forward and backward launchers need (the autograd options)."""
+
+    spec: AttnSpec
+    alibi: Optional[torch.Tensor]
+    cu_seqlens_q: Optional[torch.Tensor]
+    cu_seqlens_k: Optional[torch.Tensor]
+    rng_state: Optional[torch.Tensor]
+
+    def tensors(self):
+        return dict(alibi=self.alibi, cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k,
+                    rng_state=self.rng_state)
+
+
+class _TritonAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, call: _Call):
+        from ..kernels import attn_fwd
+        out, lse, lse2 = attn_fwd.forward(call.spec, q, k, v, **call.tensors())
+        ctx.save_for_backward(q, k, v, out, lse2)
+        ctx.call = call
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, dlse):
+        from ..kernels import attn_bwd
+        q, k, v, out, lse2 = ctx.saved_tensors
+        call = ctx.call
+        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+            dq, dk, dv = attn_bwd.backward(call.spec, dout, q, k, v, out, lse2, dlse=dlse, **call.tensors())
+        return dq, dk, dv, None
+
+
+class TritonBackend(dispatch.Backend):
+    name = "triton"
+    # Under TRITON_INTERPRET=1 it serves CPU tensors when named, but auto-selection never lands on
+    # the interpreter (a test device, orders of magnitude slower than blockwise).
+    auto_devices = ("cuda",)
+    capabilities = {"materialises_scores": False, "fwd": True, "bwd": True, "varlen": True, "kvcache": True,
+                    "paged_kvcache": True, "dropout": True, "alibi": True, "softcap": True, "window": True,
+                    "deterministic_backward": True, "max_head_dim": MAX_HEAD_DIM,
+                    "dtypes": ["float16", "bfloat16", "float32"],
+                    "devices": "cuda (compute capability >= 8.0); cpu with TRITON_INTERPRET=1"}
+
+    def availability(self) -> list[str]:
+        if _triton_version() is None:
+            return ["triton is not installed"]
+        if _interpreting():
+            return []
+        if not torch.cuda.is_available():
+            return ["no CUDA device (TRITON_INTERPRET=1 runs the kernels on CPU tensors)"]
+        if not any(_capability(i)[0] >= 8 for i in range(torch.cuda.device_count())):
+            return ["no CUDA device with compute capability >= 8.0"]
+        return []
+
+    def supports(self, spec: AttnSpec) -> list[str]:
+        reasons = _device_reasons(spec.device)
+        if spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+            reasons.append(f"dtype {spec.dtype} is not supported (float16, bfloat16, float32)")
+        if spec.kind == "kvcache":
+            try:
+                from ..kernels.decode import kvcache_supports
+            except ImportError:
+                return reasons + ["kvcache kernel not available"]
+            return reasons + list(kvcache_supports(spec))
+        if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
+            reasons.append(f"head dim {max(spec.head_dim, spec.head_dim_v)} > {MAX_HEAD_DIM}")
+        if spec.heads_q > MAX_GRID_YZ or spec.batch > MAX_GRID_YZ:
+            reasons.append(f"batch {spec.batch} or heads {spec.heads_q} exceeds the grid limit {MAX_GRID_YZ}")
+        if not reasons and spec.device.type == "cuda":
+            from ..kernels.tuning import smem_reasons
+            reasons += smem_reasons(spec, spec.device)
+        return reasons
+
+    def run(self, spec: AttnSpec, inputs: AttnInputs):
+        if spec.kind == "kvcache":
+            from ..kernels.decode import kvcache_attention
+            return kvcache_attention(spec, inputs)
+        call = _Call(spec, inputs.alibi_slopes, inputs.cu_seqlens_q, inputs.cu_seqlens_k, inputs.rng_state)
+        with torch.cuda.device(spec.device) if spec.device.type == "cuda" else contextlib.nullcontext():
+            if spec.needs_grad:
+                return _TritonAttention.apply(inputs.q, inputs.k, inputs.v, call)
+            from ..kernels import attn_fwd
+            out, lse, _ = attn_fwd.forward(spec, inputs.q, inputs.k, inputs.v, **call.tensors())
+            return out, lse

@@ -1,0 +1,96 @@
+"""`flashport bench`: the benchmark harness (one harness for every platform).
+
+- On a CPU (suite `cpu`): flashport's auto backend against naive materialised attention, fp32
+  forward, S from 1k to 32k, time and peak memory per configuration in a fresh subprocess.
+- On a GPU (suites `standard`, `models`, `long`, `decode`): flashport's triton backend against
+  SDPA cuDNN / FA2 / mem-efficient and compiled FlexAttention in the same process, with ceilings
+  (matmul TFLOP/s, copy GB/s) measured in the same run.
+
+Modules: shapes (what), timing (how long, ceilings), peers (the implementations), gpu / cpu (the
+jobs), report (table, JSON, PNG).  Results land in --out (default results/) as bench_<suite>.json
+and bench_<suite>.png.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+SUITES = ("auto", "cpu", "standard", "models", "long", "decode")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--suite", choices=SUITES, default="auto",
+                   help="auto = standard on a GPU, cpu otherwise")
+    p.add_argument("--out", default="results", help="directory for the JSON and PNG (default: results)")
+    p.add_argument("--quick", action="store_true", help="tiny sizes: a smoke run of the harness in seconds")
+    p.add_argument("--device", default=None, help="cuda[:N] or cpu (default: cuda if available)")
+    p.add_argument("--peers", default=None,
+                   help="GPU: comma-separated implementations (default: flashport-triton,sdpa-cudnn,sdpa-fa2,"
+                        "sdpa-efficient,flex)")
+    p.add_argument("--heads", type=int, default=1, help="CPU job: heads H (B=1, D=64)")
+    p.add_argument("--max-s", type=int, default=None, help="CPU job: largest sequence length")
+    p.add_argument("--budget-s", type=float, default=170.0,
+                   help="CPU job: wall-clock budget; sizes predicted to overrun it are reported as time-skipped")
+    p.add_argument("--tag", default="", help="suffix for the output file names")
+
+
+def _progress(total: int, desc: str):
+    try:
+        from tqdm import tqdm
+    except ImportError:
+        return None, (lambda: None)
+    bar = tqdm(total=total, desc=desc, unit="run", dynamic_ncols=True)
+    return bar, (lambda: bar.update(1))
+
+
+def run(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import report
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    suite = args.suite if args.suite != "auto" else ("standard" if device.type == "cuda" else "cpu")
+    stem = f"bench_{suite}" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
+    t0 = time.perf_counter()
+    if suite == "cpu":
+        from .cpu import run_cpu
+        from .shapes import cpu_sizes
+        sizes = cpu_sizes(args.quick, args.max_s)
+        bar, tick = _progress(2 * len(sizes), "cpu: flashport vs naive")
+        entries = run_cpu(sizes, args.heads, tick, budget_s=args.budget_s)
+        ceil = {}
+        table = report.cpu_table(entries)
+    else:
+        if device.type != "cuda":
+            print(f"flashport bench: suite {suite!r} needs a CUDA device (found {device}); use --suite cpu")
+            return 2
+        from . import gpu, peers
+        from .shapes import gpu_suite
+        from .timing import ceilings
+        impls = [s.strip() for s in args.peers.split(",")] if args.peers else list(peers.DENSE)
+        unknown = [i for i in impls if i not in peers.DENSE]
+        if unknown:
+            print(f"flashport bench: unknown implementation(s) {unknown}; known: {', '.join(peers.DENSE)}")
+            return 2
+        if device.index is None:
+            device = torch.device("cuda", torch.cuda.current_device())
+        torch.cuda.set_device(device)
+        shapes = gpu_suite(suite, args.quick)
+        ceil = ceilings(device)
+        n = sum(len([i for i in impls if s.kind != "decode" or i in peers.DECODE]) for s in shapes)
+        bar, tick = _progress(n, f"{suite}: flashport vs peers")
+        entries = gpu.run_suite(suite, shapes, impls, device, ceil, tick)
+        table = report.gpu_table(entries)
+    if bar is not None:
+        bar.close()
+    doc = report.document(suite, device, entries, ceil, time.perf_counter() - t0)
+    json_path, png_path = (os.path.join(args.out, stem + ext) for ext in (".json", ".png"))
+    report.write_json(doc, json_path)
+    (report.plot_cpu if suite == "cpu" else report.plot_gpu)(doc, png_path)
+    print(table)
+    if ceil:
+        print("ceilings: " + ", ".join(f"{k}={v}" for k, v in ceil.items()))
+    if doc.get("flashport_first_call_s") is not None:
+        print(f"first flashport call (compile + autotune): {doc['flashport_first_call_s']:.2f} s")
+    print(f"wrote {json_path} and {png_path} ({doc['wall_s']} s)")
+    return 0

@@ -1,0 +1,138 @@
+"""GPU suites: flashport's triton backend against its peers on the same card, in the same process.
+
+Per (shape, mode, implementation) one entry: median ms (do_bench), TFLOP/s by FlashAttention's
+convention (or GB/s of K+V read for decode), MFU against the matmul ceiling measured in the same
+run, the wall time of the first call (compilation / autotuning), peak extra device memory, the
+max |difference| to the first implementation that ran, and flashport's speedup over each peer.
+Anything that raises (UnsupportedError, a missing kernel, OOM, a compile failure) becomes an entry
+with its status and reason; the run goes on.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import peers
+from .peers import NotApplicable
+from .shapes import Shape, flops, kv_bytes
+from .timing import gpu_ms, wall_s
+
+FLASHPORT = "flashport-triton"
+
+
+def _err(e: BaseException) -> str:
+    return f"{type(e).__name__}: {e}".replace("\n", " ")[:400]
+
+
+def _status(e: BaseException) -> str:
+    if isinstance(e, torch.cuda.OutOfMemoryError):
+        return "oom"
+    if isinstance(e, NotApplicable):
+        return "n/a"
+    return "failed"
+
+
+def _peak_mb(fn, device) -> float:
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    r = fn()
+    torch.cuda.synchronize(device)
+    del r
+    return (torch.cuda.max_memory_allocated(device) - base) / 2**20
+
+
+def _entry(suite, shape: Shape, impl, mode, **kw) -> dict:
+    return dict(suite=suite, label=shape.label(), shape=shape.as_dict(), impl=impl, mode=mode, **kw)
+
+
+def _dense(suite: str, shape: Shape, impls, device, ceil: dict, tick) -> list[dict]:
+    train = "bwd" in shape.modes
+    q, k, v = peers.make_inputs(shape, device, requires_grad=train)
+    entries, ref_out = [], None
+    for impl in impls:
+        out = None
+        try:
+            with peers.context(impl):
+                fn = peers.dense_fn(impl, shape, q, k, v)
+                first_s, out = wall_s(lambda: peers.run_once(fn), device)
+                ms = gpu_ms(fn)
+                diff = None if ref_out is None else (out.detach().float() - ref_out).abs().max().item()
+                if ref_out is None:
+                    ref_out = out.detach().float()
+                peak = _peak_mb(fn, device)
+                f = flops(shape, "fwd")
+                entries.append(_entry(suite, shape, impl, "fwd", status="ok", ms=ms, tflops=f / ms / 1e9,
+                                      first_call_s=first_s, peak_mem_mb=peak, max_abs_diff=diff))
+                if train:
+                    do = torch.randn_like(out)
+                    bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
+                    first_b, _ = wall_s(bwd, device)
+                    ms_b = gpu_ms(bwd)
+                    entries.append(_entry(suite, shape, impl, "bwd", status="ok", ms=ms_b,
+                                          tflops=flops(shape, "bwd") / ms_b / 1e9, first_call_s=first_b))
+        except Exception as e:  # recorded, never fatal
+            done = {x["mode"] for x in entries if x["impl"] == impl}
+            for mode in shape.modes:
+                if mode not in done:
+                    entries.append(_entry(suite, shape, impl, mode, status=_status(e), error=_err(e)))
+        finally:
+            del out
+            torch.cuda.empty_cache()
+            tick()
+    return entries
+
+
+def _decode(suite: str, shape: Shape, impls, device, ceil: dict, tick) -> list[dict]:
+    q, kc, vc, lens, table = peers.make_cache(shape, device)
+    entries, ref_out = [], None
+    for impl in impls:
+        try:
+            with peers.context(impl):
+                fn = peers.decode_fn(impl, shape, q, kc, vc, lens, table)
+                first_s, out = wall_s(lambda: peers.run_once(fn), device)
+                ms = gpu_ms(fn)
+                diff = None if ref_out is None else (out.float() - ref_out).abs().max().item()
+                if ref_out is None:
+                    ref_out = out.float()
+                gbps = kv_bytes(shape) / (ms * 1e-3) / 1e9
+                copy = ceil.get("copy_gbps")
+                entries.append(_entry(suite, shape, impl, "fwd", status="ok", ms=ms, gbps=gbps,
+                                      frac_of_copy=gbps / copy if copy else None, first_call_s=first_s,
+                                      max_abs_diff=diff))
+        except Exception as e:
+            entries.append(_entry(suite, shape, impl, "fwd", status=_status(e), error=_err(e)))
+        finally:
+            torch.cuda.empty_cache()
+            tick()
+    return entries
+
+
+def add_ratios(entries: list[dict], ceil: dict) -> None:
+    """MFU against the matmul ceiling, and flashport's speedup over each peer (peer ms / flashport ms)."""
+    mm = ceil.get("matmul_bf16_tflops")
+    by_key: dict = {}
+    for e in entries:
+        if e["status"] == "ok":
+            by_key.setdefault((e["label"], e["mode"]), {})[e["impl"]] = e
+            if mm and "tflops" in e:
+                e["mfu"] = e["tflops"] / mm
+    for group in by_key.values():
+        fp = group.get(FLASHPORT)
+        if fp:
+            fp["speedup_vs"] = {n: e["ms"] / fp["ms"] for n, e in group.items() if n != FLASHPORT}
+
+
+def run_suite(suite: str, shapes: list[Shape], impls, device, ceil: dict, tick) -> list[dict]:
+    entries = []
+    for shape in shapes:
+        runner = _decode if shape.kind == "decode" else _dense
+        use = [i for i in impls if shape.kind != "decode" or i in peers.DECODE]
+        try:
+            entries += runner(suite, shape, use, device, ceil, tick)
+        except Exception as e:  # e.g. OOM while making the inputs themselves (no implementation ran)
+            entries += [_entry(suite, shape, i, m, status=_status(e), error=_err(e)) for i in use for m in shape.modes]
+            for _ in use:
+                tick()
+        torch.cuda.empty_cache()
+    add_ratios(entries, ceil)
+    return entries

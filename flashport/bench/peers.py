@@ -1,0 +1,153 @@
+"""What is timed on a GPU: flashport's triton backend and its peers, all in one process.
+
+Every implementation takes the same [B, S, H, D] tensors (peers that want [B, H, S, D] get
+transposed views, no copies) and returns out [B, S, H, D].  An implementation that cannot run a
+shape raises; the harness records the reason and moves on.  None of them may fall back to a
+materialising path silently: SDPA is pinned to one fused kernel per peer (MATH is never allowed),
+and FlexAttention is compiled with `fullgraph=True` and dynamo set to raise instead of falling back
+to eager (which would materialise the scores) when its recompile limit is hit.
+"""
+from __future__ import annotations
+
+import contextlib
+import warnings
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+import flashport
+from .shapes import Shape
+
+DENSE = ("flashport-triton", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient", "flex")
+DECODE = ("flashport-triton", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient")
+
+
+class NotApplicable(Exception):
+    """The implementation has no form of this problem (e.g. SDPA and a paged cache)."""
+
+
+def _sdpa_backend(name: str):
+    from torch.nn.attention import SDPBackend
+    return {"sdpa-cudnn": SDPBackend.CUDNN_ATTENTION, "sdpa-fa2": SDPBackend.FLASH_ATTENTION,
+            "sdpa-efficient": SDPBackend.EFFICIENT_ATTENTION}[name]
+
+
+def context(impl: str):
+    """Held around preparing and timing `impl` (global SDPA kernel flags), not inside the timed call."""
+    if impl.startswith("sdpa-"):
+        from torch.nn.attention import sdpa_kernel
+        return sdpa_kernel([_sdpa_backend(impl)])
+    return contextlib.nullcontext()
+
+
+def _sdpa(q, k, v, causal: bool, shape: Shape):
+    kw = {"enable_gqa": True} if shape.hq != shape.hkv else {}
+    return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                          is_causal=causal, **kw).transpose(1, 2)
+
+
+def _with_reasons(fn: Callable):
+    """Run fn once; when SDPA refuses ("No available kernel") attach the warnings that say why."""
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        try:
+            return fn()
+        except RuntimeError as e:
+            why = " | ".join(str(w.message).strip().splitlines()[0] for w in caught)
+            raise RuntimeError(f"{str(e).splitlines()[0]} {why}".strip()) from None
+
+
+# ----------------------------------------------------------------------------- FlexAttention
+_flex_fn = None
+_block_masks: dict = {}
+
+
+def _flex():
+    global _flex_fn
+    if _flex_fn is None:
+        import torch._dynamo.config as dcfg
+        from torch.nn.attention.flex_attention import flex_attention
+        # Every shape is a static specialisation; a limit hit must raise, not fall back to eager.
+        for key in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                    "accumulated_recompile_limit"):
+            if hasattr(dcfg, key):
+                setattr(dcfg, key, max(getattr(dcfg, key), 4096))
+        if hasattr(dcfg, "fail_on_recompile_limit_hit"):
+            dcfg.fail_on_recompile_limit_hit = True
+        _flex_fn = torch.compile(flex_attention, dynamic=False, fullgraph=True)
+    return _flex_fn
+
+
+def _causal_mod(b, h, q_idx, kv_idx):
+    return q_idx >= kv_idx   # the suites' causal shapes have Sq == Sk, where both alignments agree
+
+
+def _block_mask(shape: Shape, device):
+    """Created once per (Sq, Sk, causal) configuration and reused; None = no mask (dense)."""
+    if not shape.causal:
+        return None
+    key = (shape.sq, shape.sk, str(device))
+    if key not in _block_masks:
+        from torch.nn.attention.flex_attention import create_block_mask
+        _block_masks[key] = create_block_mask(_causal_mod, None, None, shape.sq, shape.sk, device=device)
+    return _block_masks[key]
+
+
+# ----------------------------------------------------------------------------- builders
+def dense_fn(impl: str, shape: Shape, q, k, v) -> Callable[[], torch.Tensor]:
+    """fn() -> out [B, Sq, Hq, D] for a dense problem."""
+    if impl == "flashport-triton":
+        return lambda: flashport.attention(q, k, v, causal=shape.causal, backend="triton")
+    if impl.startswith("sdpa-"):
+        return lambda: _sdpa(q, k, v, shape.causal, shape)
+    if impl == "flex":
+        fn, mask = _flex(), _block_mask(shape, q.device)
+        kw = {"enable_gqa": True} if shape.hq != shape.hkv else {}
+        return lambda: fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                          **kw).transpose(1, 2)
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def decode_fn(impl: str, shape: Shape, q, k_cache, v_cache, lens, block_table) -> Callable[[], torch.Tensor]:
+    """fn() -> out [B, 1, Hq, D] reading a full cache of shape.sk tokens per sequence."""
+    if impl == "flashport-triton":
+        return lambda: flashport.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
+                                                        block_table=block_table, backend="triton")
+    if impl.startswith("sdpa-"):
+        if block_table is not None:
+            raise NotApplicable("SDPA has no paged KV cache")
+        return lambda: _sdpa(q, k_cache, v_cache, False, shape)
+    raise ValueError(f"unknown implementation {impl!r}")
+
+
+def make_inputs(shape: Shape, device, requires_grad: bool, seed: int = 0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt = shape.torch_dtype
+
+    def rnd(*s):
+        return torch.randn(*s, device=device, dtype=dt, generator=g).requires_grad_(requires_grad)
+
+    return rnd(shape.b, shape.sq, shape.hq, shape.d), rnd(shape.b, shape.sk, shape.hkv, shape.d), \
+        rnd(shape.b, shape.sk, shape.hkv, shape.d)
+
+
+def make_cache(shape: Shape, device, seed: int = 0):
+    """q [B, 1, Hq, D], caches (dense [B, Sk, Hkv, D] or paged [B*Sk/page, page, Hkv, D] with a
+    shuffled block_table), cache_seqlens = Sk for every sequence."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    dt, b, s = shape.torch_dtype, shape.b, shape.sk
+    q = torch.randn(b, 1, shape.hq, shape.d, device=device, dtype=dt, generator=g)
+    if shape.page:
+        nblk = s // shape.page
+        kc = torch.randn(b * nblk, shape.page, shape.hkv, shape.d, device=device, dtype=dt, generator=g)
+        vc = torch.randn_like(kc)
+        table = torch.randperm(b * nblk, device=device, generator=g).view(b, nblk).to(torch.int32)
+    else:
+        kc = torch.randn(b, s, shape.hkv, shape.d, device=device, dtype=dt, generator=g)
+        vc, table = torch.randn_like(kc), None
+    lens = torch.full((b,), s, dtype=torch.int32, device=device)
+    return q, kc, vc, lens, table
+
+
+run_once = _with_reasons

@@ -1,0 +1,205 @@
+"""What a benchmark run leaves behind: a printed table, a JSON file (results + the exact command,
+the card, versions, timestamp, ceilings) and a matplotlib PNG."""
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import shlex
+import sys
+
+import torch
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def environment(device) -> dict:
+    """Device, card and versions: the facts a number means nothing without."""
+    import flashport
+    env = {"python": platform.python_version(), "torch": torch.__version__, "flashport": flashport.__version__,
+           "platform": platform.platform(), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
+           "torch_threads": torch.get_num_threads(), "device": str(device)}
+    try:
+        import triton
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if torch.device(device).type == "cuda":
+        p = torch.cuda.get_device_properties(device)
+        env.update(card=p.name, sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}",
+                   memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda,
+                   cudnn=torch.backends.cudnn.version())
+    else:
+        env["card"] = env["cpu"]
+    env["env"] = {k: os.environ[k] for k in ("FLASHPORT_BACKEND", "FLASHPORT_CHECKS", "FLASHPORT_ALLOW_TF32",
+                                             "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES") if k in os.environ}
+    return env
+
+
+def document(suite: str, device, entries: list[dict], ceilings: dict | None = None, wall_s: float = 0.0) -> dict:
+    first = next((e.get("first_call_s") for e in entries if e.get("impl") == "flashport-triton"
+                  and e.get("status") == "ok" and e.get("first_call_s") is not None), None)
+    return {"suite": suite, "command": shlex.join([os.path.basename(sys.argv[0])] + sys.argv[1:]),
+            "argv": sys.argv, "timestamp": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            "wall_s": round(wall_s, 1), "environment": environment(device), "ceilings": ceilings or {},
+            # the very first flashport call of the run: Triton compilation + autotuning included
+            "flashport_first_call_s": first, "results": entries}
+
+
+def write_json(doc: dict, path: str) -> None:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(doc, f, indent=1, default=str)
+
+
+# ----------------------------------------------------------------------------- tables
+def _fmt(x, spec=".3g") -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def _table(head, rows) -> str:
+    widths = [max(len(str(c)) for c in col) for col in zip(head, *rows)]
+    line = lambda cells: "  ".join(str(c).ljust(w) for c, w in zip(cells, widths)).rstrip()  # noqa: E731
+    return "\n".join([line(head), line("-" * w for w in widths)] + [line(r) for r in rows])
+
+
+def cpu_table(entries: list[dict]) -> str:
+    head = ("S", "impl", "backend", "status", "time s", "GFLOP/s", "peak extra MiB", "err vs fp64", "fp vs naive")
+    rows = [(e["s"], e["impl"], e.get("backend", "-"), e["status"], _fmt(e.get("time_s")), _fmt(e.get("gflops")),
+             _fmt(e.get("peak_extra_mb"), ".1f"), _fmt(e.get("max_err_vs_fp64"), ".1e"),
+             _fmt(e.get("max_diff_flashport_vs_naive"), ".1e")) for e in entries]
+    return _table(head, rows)
+
+
+def gpu_table(entries: list[dict]) -> str:
+    head = ("shape", "mode", "impl", "status", "ms", "TFLOP/s | GB/s", "MFU | copy", "first call s", "speedup vs peers",
+            "note")
+    rows = []
+    for e in entries:
+        rate = e.get("tflops", e.get("gbps"))
+        frac = e.get("mfu", e.get("frac_of_copy"))
+        sp = " ".join(f"{k}:{v:.2f}" for k, v in (e.get("speedup_vs") or {}).items())
+        rows.append((e["label"], e["mode"], e["impl"], e["status"], _fmt(e.get("ms")), _fmt(rate, ".1f"),
+                     "-" if frac is None else f"{frac:.0%}", _fmt(e.get("first_call_s"), ".2f"), sp,
+                     (e.get("error") or "")[:70]))
+    return _table(head, rows)
+
+
+# ----------------------------------------------------------------------------- plots
+def _plt():
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    return plt
+
+
+def plot_cpu(doc: dict, path: str) -> None:
+    plt = _plt()
+    entries = doc["results"]
+    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for impl, style in (("flashport", "o-"), ("naive", "s--")):
+        ok = [e for e in entries if e["impl"] == impl and e["status"] == "ok"]
+        label = impl if impl == "naive" else f"flashport ({ok[0].get('backend', 'auto') if ok else 'auto'})"
+        ax_t.plot([e["s"] for e in ok], [e["time_s"] for e in ok], style, label=label)
+        ax_m.plot([e["s"] for e in ok], [max(e["peak_extra_mb"], 1e-3) for e in ok], style, label=label)
+        for e in entries:
+            if e["impl"] == impl and e["status"] != "ok":
+                for ax in (ax_t, ax_m):
+                    ax.axvline(e["s"], color="grey", ls=":", lw=1)
+                    ax.annotate(f"naive {e['status']}" if impl == "naive" else f"flashport {e['status']}",
+                                (e["s"], 0.5), xycoords=("data", "axes fraction"), rotation=90, fontsize=8,
+                                ha="right", va="center", color="grey")
+    for ax, title, unit in ((ax_t, "forward time", "seconds (median)"),
+                            (ax_m, "peak extra memory (fresh process, ru_maxrss)", "MiB")):
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("sequence length S")
+        ax.set_ylabel(unit)
+        ax.set_title(title)
+        ax.grid(True, which="both", alpha=0.3)
+        ax.legend()
+    e0 = next((e for e in entries), {"config": {}})
+    c = e0.get("config", {})
+    fig.suptitle(f"flashport vs naive attention, fp32 fwd, B={c.get('b')} H={c.get('h')} D={c.get('d')} -- "
+                 f"{doc['environment']['card']} ({doc['environment']['torch_threads']} threads)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_gpu(doc: dict, path: str) -> None:
+    """Lines of TFLOP/s (or GB/s for decode) against S, one panel per (mode, head dim[, causal])."""
+    plt = _plt()
+    ok = [e for e in doc["results"] if e["status"] == "ok"]
+    decode = any(e["shape"]["kind"] == "decode" for e in doc["results"])
+    if not ok:
+        fig, ax = plt.subplots(figsize=(6, 2))
+        ax.text(0.5, 0.5, "no successful measurement", ha="center")
+        ax.axis("off")
+        fig.savefig(path, dpi=110)
+        plt.close(fig)
+        return
+    if decode or doc["suite"] == "models":
+        _bars(plt, doc, ok, path, "gbps" if decode else "tflops")
+        return
+    # rows: (mode, causal) with forward first; columns: head dim
+    row_keys = sorted({(e["mode"] != "fwd", e["shape"]["causal"]) for e in ok})
+    col_keys = sorted({e["shape"]["d"] for e in ok})
+    fig, axes = plt.subplots(len(row_keys), len(col_keys), figsize=(5 * len(col_keys), 3.4 * len(row_keys)),
+                             squeeze=False)
+    panels = [(r, c) for r in range(len(row_keys)) for c in range(len(col_keys))]
+    for r, c in panels:
+        ax = axes[r][c]
+        (is_bwd, causal), d = row_keys[r], col_keys[c]
+        mode = "bwd" if is_bwd else "fwd"
+        for impl in dict.fromkeys(e["impl"] for e in ok):
+            pts = sorted((e["shape"]["sq"], e["tflops"]) for e in ok if e["impl"] == impl and e["mode"] == mode
+                         and e["shape"]["d"] == d and e["shape"]["causal"] == causal)
+            if pts:
+                ax.plot(*zip(*pts), "o-" if impl.startswith("flashport") else ".--", label=impl)
+        mm = doc["ceilings"].get("matmul_bf16_tflops")
+        if mm:
+            ax.axhline(mm, color="grey", ls=":", lw=1)
+        ax.set_xscale("log", base=2)
+        ax.set_title(f"{mode} d{d} {'causal' if causal else 'non-causal'}", fontsize=9)
+        ax.set_xlabel("S")
+        ax.set_ylabel("TFLOP/s")
+        ax.grid(True, alpha=0.3)
+    axes[0][0].legend(fontsize=7)
+    fig.suptitle(f"flashport bench --suite {doc['suite']} on {doc['environment']['card']} "
+                 f"(matmul ceiling dotted)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _bars(plt, doc, ok, path, key):
+    groups = list(dict.fromkeys((e["label"], e["mode"]) for e in ok))
+    impls = list(dict.fromkeys(e["impl"] for e in ok))
+    width = 0.8 / max(1, len(impls))
+    fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(groups)), 5))
+    for n, impl in enumerate(impls):
+        vals = [next((e[key] for e in ok if (e["label"], e["mode"]) == g and e["impl"] == impl), 0) for g in groups]
+        ax.bar([i + n * width for i in range(len(groups))], vals, width, label=impl)
+    ceiling = doc["ceilings"].get("copy_gbps" if key == "gbps" else "matmul_bf16_tflops")
+    if ceiling:
+        ax.axhline(ceiling, color="grey", ls=":", lw=1, label="copy ceiling" if key == "gbps" else "matmul ceiling")
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    ax.set_xticklabels([f"{lab}\n{mode}" for lab, mode in groups], rotation=30, ha="right", fontsize=7)
+    ax.set_ylabel("GB/s of K+V read" if key == "gbps" else "TFLOP/s")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_title(f"flashport bench --suite {doc['suite']} on {doc['environment']['card']}", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,120 @@
+"""Benchmark shapes and suites (what is measured; how is in timing/peers/gpu/cpu).
+
+Standard set (DESIGN.md): bf16, B*S = 16384, H*D = 2048, D in {64, 128, 256},
+S in {512 ... 16384}, causal and not, forward and backward.
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Optional
+
+import torch
+
+
+@dataclass(frozen=True)
+class Shape:
+    """One attention problem.  Dense: q [b, sq, hq, d], k/v [b, sk, hkv, d].  Decode (kind="decode"):
+    sq = 1 query per sequence over a KV cache of sk tokens, dense (page = 0) or paged (page > 0)."""
+
+    name: str
+    b: int
+    sq: int
+    sk: int
+    hq: int
+    hkv: int
+    d: int
+    causal: bool = False
+    modes: tuple = ("fwd", "bwd")
+    kind: str = "dense"
+    page: int = 0
+    dtype: str = "bfloat16"
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return getattr(torch, self.dtype)
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    def label(self) -> str:
+        if self.kind == "decode":
+            return f"{self.name} b{self.b} kv{self.sk} h{self.hq}/{self.hkv} d{self.d}" + \
+                (f" page{self.page}" if self.page else " dense")
+        heads = f"h{self.hq}" if self.hq == self.hkv else f"h{self.hq}/{self.hkv}"
+        return f"{self.name} b{self.b} s{self.sq} {heads} d{self.d}" + (" causal" if self.causal else "")
+
+
+def flops(shape: Shape, mode: str) -> float:
+    """FlashAttention's convention: fwd 4*B*H*Sq*Sk*D, halved for causal; bwd 2.5x fwd."""
+    f = 4.0 * shape.b * shape.hq * shape.sq * shape.sk * shape.d
+    if shape.causal:
+        f /= 2
+    return f * (2.5 if mode == "bwd" else 1.0)
+
+
+def kv_bytes(shape: Shape) -> int:
+    """Bytes of K and V a decode step must read: B * Sk * Hkv * D * 2 tensors * element size."""
+    return shape.b * shape.sk * shape.hkv * shape.d * 2 * torch.finfo(shape.torch_dtype).bits // 8
+
+
+def standard(ds=(64, 128, 256), ss=(512, 1024, 2048, 4096, 8192, 16384), causals=(False, True)) -> list[Shape]:
+    return [Shape("standard", 16384 // s, s, s, 2048 // d, 2048 // d, d, causal=c)
+            for d in ds for c in causals for s in ss]
+
+
+def models() -> list[Shape]:
+    return [
+        Shape("llama3-8b-prefill", 1, 8192, 8192, 32, 8, 128, causal=True, modes=("fwd",)),
+        Shape("llama3-8b-train", 2, 8192, 8192, 32, 8, 128, causal=True),
+        Shape("vit-h14", 16, 1024, 1024, 16, 16, 80),
+        Shape("vit-h14", 4, 4096, 4096, 16, 16, 80),
+        Shape("whisper-enc", 8, 1500, 1500, 20, 20, 64),
+        Shape("dit", 4, 4096, 4096, 16, 16, 72),
+        Shape("long-doc", 1, 131072, 131072, 16, 16, 128, causal=True),
+    ]
+
+
+def long(ss=(32768, 65536, 131072)) -> list[Shape]:
+    return [Shape("long", 1, s, s, 16, 16, 128, causal=True) for s in ss]
+
+
+def decode(pages=(0, 16, 256)) -> list[Shape]:
+    return [Shape("decode", b, 1, kv, 32, 8, 128, modes=("fwd",), kind="decode", page=p)
+            for b, kv in ((1, 32768), (16, 8192), (64, 4096), (128, 2048)) for p in pages]
+
+
+def gpu_suite(name: str, quick: bool = False) -> list[Shape]:
+    """--quick keeps one or two small shapes per suite (a smoke run of the whole harness)."""
+    if name == "standard":
+        return standard(ds=(64, 128), ss=(1024, 4096), causals=(False, True)) if quick else standard()
+    if name == "models":
+        return [s for s in models() if s.sq <= 4096][:3] if quick else models()
+    if name == "long":
+        return long(ss=(32768,)) if quick else long()
+    if name == "decode":
+        return [s for s in decode() if s.b == 16] if quick else decode()
+    raise ValueError(f"suite must be one of standard, models, long, decode; got {name!r}")
+
+
+# ----------------------------------------------------------------------------- CPU main job
+@dataclass(frozen=True)
+class CpuConfig:
+    """Forward fp32, B=1, non-causal: flashport (auto backend) vs naive materialised attention."""
+    s: int
+    impl: str           # "flashport" | "naive"
+    b: int = 1
+    h: int = 1
+    d: int = 64
+    fp64_check_max_s: int = 4096   # error against float64 exact math for S up to this
+
+    def naive_peak_bytes(self) -> int:
+        """Scores and their softmax are both alive at once: 2 x B*H*S*S float32."""
+        return 2 * self.b * self.h * self.s * self.s * 4
+
+    def io_bytes(self) -> int:
+        return 4 * self.b * self.s * self.h * self.d * 4   # q, k, v, out
+
+
+def cpu_sizes(quick: bool = False, max_s: Optional[int] = None) -> list[int]:
+    sizes = [256, 512] if quick else [1024, 2048, 4096, 8192, 16384, 32768]
+    return [s for s in sizes if max_s is None or s <= max_s]

@@ -1,0 +1,355 @@
+"""FlashAttention-2 backward in Triton: no N x N tensor in memory, no atomics (deterministic).
+
+Three kernels:
+  1. `_bwd_preprocess`: Delta = rowsum(dO * O)                      [per query row, float32]
+  2. `_bwd_dkdv`: one program per (K/V tile, kv head, batch entry).  K and V stay on chip; for each
+     of the G query heads that share this kv head (GQA: K/V are never expanded) it streams the Q
+     tiles that can see the tile and accumulates dK, dV in registers: the group reduction happens
+     inside the program, in a fixed order, so results are bitwise reproducible.
+  3. `_bwd_dq`: one program per (Q tile, query head, batch entry) streaming K/V tiles.
+Both recompute P = exp2(s2 - lse2) from the saved LSE.  Equivalent PyTorch math:
+    dV = (P * Z)^T dO,   dP = (dO V^T) * Z,   dS = P * (dP - Delta) * dsoftcap,
+    dQ = scale * dS K,   dK = scale * dS^T Q
+with Z = keep / (1 - dropout_p) and dsoftcap = 1 - tanh^2 (1 without softcap).
+As in the forward, tiles the mask hides are skipped and only boundary tiles apply the mask.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import LOG2E_K, KernelArgs, dropout_keep, load_tile, score_log2, seq_bounds
+from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
+
+
+@triton.jit(do_not_specialize=["seqlen_q"])
+def _bwd_preprocess(Out, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
+                    stride_lb, stride_lh, seqlen_q, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                    BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """Delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] (float32; laid out like lse)."""
+    pid_m = tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    q_start, sq, _, _ = seq_bounds(b, CuQ, CuQ, seqlen_q, seqlen_q, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= sq:
+        return
+    offs_mb = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_mb
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64, h64, row0 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), tl.cast(q_start + start_m, tl.int64)
+    o_ptr = Out + b64 * stride_ob + h64 * stride_oh + row0 * stride_os
+    do_ptr = DO + b64 * stride_dob + h64 * stride_doh + row0 * stride_dos
+    o = load_tile(o_ptr + offs_mb[:, None] * stride_os + offs_dv[None, :], offs_m[:, None], sq, offs_dv[None, :],
+                  DV, True, DV != BLOCK_DV)
+    do = load_tile(do_ptr + offs_mb[:, None] * stride_dos + offs_dv[None, :], offs_m[:, None], sq,
+                   offs_dv[None, :], DV, True, DV != BLOCK_DV)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64) + offs_m, delta, mask=offs_m < sq)
+
+
+@triton.jit
+def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_dos, lo, hi, offs_n, sq, sk,
+                diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
+                drop_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+                BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK^T-side sums over Q tiles [lo, hi) of one query head; q_ptr / do_ptr at row lo,
+    lse_ptr / delta_ptr at row 0.  Works on transposed scores s^T [BLOCK_N, BLOCK_M]."""
+    offs_mb = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    q_offs = offs_mb[:, None] * stride_qs + offs_d[None, :]
+    do_offs = offs_mb[:, None] * stride_dos + offs_dv[None, :]
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_mb
+        q = load_tile(q_ptr + q_offs, offs_m[:, None], sq, offs_d[None, :], D, MASK, D != BLOCK_D)
+        do = load_tile(do_ptr + do_offs, offs_m[:, None], sq, offs_dv[None, :], DV, MASK, DV != BLOCK_DV)
+        if MASK:
+            # Rows past Sq get lse2 = +inf (as rows without keys already have): P = 0, no NaN.
+            lse2 = tl.load(lse_ptr + offs_m, mask=offs_m < sq, other=float("inf"))
+            delta = tl.load(delta_ptr + offs_m, mask=offs_m < sq, other=0.0)
+        else:
+            lse2 = tl.load(lse_ptr + offs_m)
+            delta = tl.load(delta_ptr + offs_m)
+        qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+        s_t, t_t = score_log2(qk_t, offs_m[None, :], offs_n[:, None], sk, diag, left, right, qk_scale, cap_in,
+                              cap_out, slope2, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI)
+        p_t = tl.exp2(s_t - lse2[None, :])
+        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+        if DROPOUT:
+            keep = dropout_keep(seed, rng_offset, bh, offs_m[None, :], offs_n[:, None], drop_threshold)
+            pz_t = tl.where(keep, p_t * drop_scale, 0.0)
+            dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
+        else:
+            pz_t = p_t
+        dv += tl.dot(pz_t.to(do.dtype), do, input_precision=PRECISION)
+        ds_t = p_t * (dp_t - delta[None, :])
+        if SOFTCAP:
+            ds_t = ds_t * (1.0 - t_t * t_t)
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+        q_ptr += BLOCK_M * stride_qs
+        do_ptr += BLOCK_M * stride_dos
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
+def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
+              stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+              stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
+              stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh, stride_slope_b,
+              seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold, drop_scale,
+              sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
+              HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+              PRECISION: tl.constexpr):
+    pid_n = tl.program_id(0)
+    kvh = tl.program_id(1)
+    b = tl.program_id(2)
+    n_heads = tl.num_programs(1) * group
+    q_start, sq, k_start, sk = seq_bounds(b, CuQ, CuK, seqlen_q, seqlen_k, IS_VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= sk:
+        return
+    diag = sk - sq
+    offs_nb = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_nb
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64, kvh64, row0 = tl.cast(b, tl.int64), tl.cast(kvh, tl.int64), tl.cast(k_start + start_n, tl.int64)
+    k = load_tile(K + b64 * stride_kb + kvh64 * stride_kh + row0 * stride_ks + offs_nb[:, None] * stride_ks
+                  + offs_d[None, :], offs_n[:, None], sk, offs_d[None, :], D, True, D != BLOCK_D)
+    v = load_tile(V + b64 * stride_vb + kvh64 * stride_vh + row0 * stride_vs + offs_nb[:, None] * stride_vs
+                  + offs_dv[None, :], offs_n[:, None], sk, offs_dv[None, :], DV, True, DV != BLOCK_DV)
+
+    # Query rows that see some key of this tile: [lo, hi) (flashport.masks.query_range).
+    n_end = tl.minimum(start_n + BLOCK_N, sk)
+    lo = 0
+    hi = sq
+    if HAS_RIGHT:
+        lo = tl.maximum(start_n - diag - right, 0)
+    if HAS_LEFT:
+        hi = tl.minimum(n_end + left - diag, sq)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    # Full Q tiles [full_lo, full_hi): all rows valid and every row sees every key of a complete tile.
+    full_lo = lo
+    full_hi = sq
+    if HAS_RIGHT:
+        full_lo = tl.maximum(tl.cdiv(tl.maximum(n_end - 1 - diag - right, 0), BLOCK_M) * BLOCK_M, lo)
+    if HAS_LEFT:
+        full_hi = tl.minimum(start_n - diag + left + 1, sq)
+    full_hi = (tl.maximum(full_hi, 0) // BLOCK_M) * BLOCK_M
+    full_lo = tl.where(n_end - start_n < BLOCK_N, hi, tl.minimum(full_lo, hi))
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+
+    seed = 0
+    rng_offset = 0
+    if DROPOUT:
+        seed = tl.load(Rng)
+        rng_offset = tl.load(Rng + 1).to(tl.int32)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    for g in range(group):  # the G query heads sharing this kv head, in a fixed order
+        h = kvh * group + g
+        slope2 = 0.0
+        if ALIBI:
+            slope2 = tl.load(Slopes + b * stride_slope_b + h) * LOG2E_K
+        h64 = tl.cast(h, tl.int64)
+        q_ptr = Q + b64 * stride_qb + h64 * stride_qh + tl.cast(q_start, tl.int64) * stride_qs
+        do_ptr = DO + b64 * stride_dob + h64 * stride_doh + tl.cast(q_start, tl.int64) * stride_dos
+        lse_ptr = Lse + b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64)
+        delta_ptr = Delta + b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64)
+        bh = b * n_heads + h
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_ptr + tl.cast(lo, tl.int64) * stride_qs, do_ptr + tl.cast(lo, tl.int64) * stride_dos,
+            lse_ptr, delta_ptr, stride_qs, stride_dos, lo, full_lo, offs_n, sq, sk, diag, left, right, qk_scale,
+            cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale, D, DV, BLOCK_M, BLOCK_D,
+            BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_ptr + tl.cast(full_lo, tl.int64) * stride_qs,
+            do_ptr + tl.cast(full_lo, tl.int64) * stride_dos, lse_ptr, delta_ptr, stride_qs, stride_dos, full_lo,
+            full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
+            drop_threshold, drop_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            ALIBI, DROPOUT, PRECISION)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_ptr + tl.cast(full_hi, tl.int64) * stride_qs,
+            do_ptr + tl.cast(full_hi, tl.int64) * stride_dos, lse_ptr, delta_ptr, stride_qs, stride_dos, full_hi,
+            hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
+            drop_threshold, drop_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+            ALIBI, DROPOUT, PRECISION)
+
+    row_mask = offs_n[:, None] < sk
+    dk_ptr = DK + b64 * stride_dkb + kvh64 * stride_dkh + row0 * stride_dks
+    tl.store(dk_ptr + offs_nb[:, None] * stride_dks + offs_d[None, :], (dk * sm_scale).to(DK.dtype.element_ty),
+             mask=row_mask & (offs_d[None, :] < D))
+    dv_ptr = DVt + b64 * stride_dvb + kvh64 * stride_dvh + row0 * stride_dvs
+    tl.store(dv_ptr + offs_nb[:, None] * stride_dvs + offs_dv[None, :], dv.to(DVt.dtype.element_ty),
+             mask=row_mask & (offs_dv[None, :] < DV))
+
+
+@triton.jit
+def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, offs_m, sk, diag, left, right,
+              qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale,
+              D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dS K over key tiles [lo, hi); k_ptr / v_ptr at key row lo."""
+    offs_nb = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_offs = offs_nb[:, None] * stride_ks + offs_d[None, :]
+    v_offs = offs_nb[:, None] * stride_vs + offs_dv[None, :]
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_nb
+        k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK, D != BLOCK_D)
+        v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK, DV != BLOCK_DV)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s, t = score_log2(qk, offs_m[:, None], offs_n[None, :], sk, diag, left, right, qk_scale, cap_in, cap_out,
+                          slope2, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI)
+        p = tl.exp2(s - lse2[:, None])
+        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+        if DROPOUT:
+            keep = dropout_keep(seed, rng_offset, bh, offs_m[:, None], offs_n[None, :], drop_threshold)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        if SOFTCAP:
+            ds = ds * (1.0 - t * t)
+        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        k_ptr += BLOCK_N * stride_ks
+        v_ptr += BLOCK_N * stride_vs
+    return dq
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
+def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
+            stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+            stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
+            stride_slope_b, seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold,
+            drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
+            HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+            PRECISION: tl.constexpr):
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    n_heads = tl.num_programs(1)
+    q_start, sq, k_start, sk = seq_bounds(b, CuQ, CuK, seqlen_q, seqlen_k, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= sq:
+        return
+    diag = sk - sq
+    kvh = h // group
+    offs_mb = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_mb
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64, h64, row0 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), tl.cast(q_start + start_m, tl.int64)
+    q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + row0 * stride_qs + offs_mb[:, None] * stride_qs
+                  + offs_d[None, :], offs_m[:, None], sq, offs_d[None, :], D, True, D != BLOCK_D)
+    do = load_tile(DO + b64 * stride_dob + h64 * stride_doh + row0 * stride_dos + offs_mb[:, None] * stride_dos
+                   + offs_dv[None, :], offs_m[:, None], sq, offs_dv[None, :], DV, True, DV != BLOCK_DV)
+    row_stats = b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64)
+    # lse2 is +inf for rows that see no key, and rows past Sq read +inf: P = 0 there, never NaN.
+    lse2 = tl.load(Lse + row_stats + offs_m, mask=offs_m < sq, other=float("inf"))
+    delta = tl.load(Delta + row_stats + offs_m, mask=offs_m < sq, other=0.0)
+
+    # Same key ranges as the forward (masks.key_range, then the full-tile split).
+    m_end = tl.minimum(start_m + BLOCK_M, sq)
+    lo = 0
+    hi = sk
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + diag - left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(m_end + diag + right, sk)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    full_lo = lo
+    full_hi = sk
+    if HAS_LEFT:
+        full_lo = tl.maximum(tl.cdiv(tl.maximum(m_end - 1 + diag - left, 0), BLOCK_N) * BLOCK_N, lo)
+    if HAS_RIGHT:
+        full_hi = tl.minimum(start_m + diag + right + 1, sk)
+    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(Slopes + b * stride_slope_b + h) * LOG2E_K
+    seed = 0
+    rng_offset = 0
+    if DROPOUT:
+        seed = tl.load(Rng)
+        rng_offset = tl.load(Rng + 1).to(tl.int32)
+    bh = b * n_heads + h
+    kvh64, k0 = tl.cast(kvh, tl.int64), tl.cast(k_start, tl.int64)
+    k_base = K + b64 * stride_kb + kvh64 * stride_kh + k0 * stride_ks
+    v_base = V + b64 * stride_vb + kvh64 * stride_vh + k0 * stride_vs
+    dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base + tl.cast(lo, tl.int64) * stride_ks,
+                   v_base + tl.cast(lo, tl.int64) * stride_vs, stride_ks, stride_vs, lo, full_lo, offs_m, sk, diag,
+                   left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale,
+                   D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base + tl.cast(full_lo, tl.int64) * stride_ks,
+                   v_base + tl.cast(full_lo, tl.int64) * stride_vs, stride_ks, stride_vs, full_lo, full_hi, offs_m,
+                   sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
+                   drop_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                   DROPOUT, PRECISION)
+    dq = _dq_tiles(dq, q, do, lse2, delta, k_base + tl.cast(full_hi, tl.int64) * stride_ks,
+                   v_base + tl.cast(full_hi, tl.int64) * stride_vs, stride_ks, stride_vs, full_hi, hi, offs_m, sk,
+                   diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
+                   drop_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+                   DROPOUT, PRECISION)
+    dq_ptr = DQ + b64 * stride_dqb + h64 * stride_dqh + row0 * stride_dqs
+    tl.store(dq_ptr + offs_mb[:, None] * stride_dqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
+             mask=(offs_m[:, None] < sq) & (offs_d[None, :] < D))
+
+
+def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None,
+             dlse=None, configs=None):
+    """Gradients (dq, dk, dv) shaped like q, k, v, given dO shaped like out and the forward's out and
+    lse2 (its log2-domain lse, see attn_fwd.forward).
+    dlse: optional gradient of the lse output (d lse / d s = P, so it folds into Delta: Delta - dlse).
+    configs: optional {"bwd_dkdv": KernelConfig, "bwd_dq": KernelConfig} to force (autotuning)."""
+    varlen = spec.kind == "varlen"
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    # Varlen rows past cu_seqlens[-1] are never written by a program: their gradients are zero.
+    alloc = torch.zeros if varlen else torch.empty
+    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
+    dk = alloc(k.shape, dtype=k.dtype, device=k.device)
+    dv = alloc(v.shape, dtype=v.dtype, device=v.device)
+    if q.numel() == 0 or k.numel() == 0 or spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
+        return dq.zero_(), dk.zero_(), dv.zero_()
+    a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state)
+    hq, hkv = spec.heads_q, spec.heads_kv
+    l_strides = (0, lse2.stride(0)) if varlen else (lse2.stride(0), lse2.stride(1))
+    delta = torch.empty_like(lse2)
+    do_s, o_s = a.strides(do), a.strides(out)
+    pre_m = INTERPRETER_CONFIG.block_m if interpreting() else 64
+    _bwd_preprocess[(triton.cdiv(spec.seqlen_q, pre_m), hq, spec.batch)](
+        out, do, delta, a.cu_q, *o_s, *do_s, *l_strides, a.seqlen_q, DV=spec.head_dim_v, BLOCK_M=pre_m,
+        BLOCK_DV=a.constexprs["BLOCK_DV"], IS_VARLEN=varlen, num_warps=4)
+    if dlse is not None:
+        delta.sub_(dlse)
+    common = (a.slope_stride, a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,
+              a.drop_threshold, a.drop_scale, spec.softmax_scale)
+    configs = configs or {}
+
+    def launch_dkdv(cfg):
+        grid = (triton.cdiv(spec.seqlen_k, cfg.block_n), hkv, spec.batch)
+        _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk, dv, a.slopes, a.cu_q, a.cu_k, a.rng,
+                        *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk), *a.strides(dv),
+                        *l_strides, *common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages, **a.constexprs)
+
+    def launch_dq(cfg):
+        grid = (triton.cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
+        _bwd_dq[grid](q, k, v, do, lse2, delta, dq, a.slopes, a.cu_q, a.cu_k, a.rng,
+                      *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dq), *l_strides, *common,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+                      **a.constexprs)
+
+    launch_with_fallback("bwd_dkdv", spec, q.device, launch_dkdv, configs.get("bwd_dkdv"))
+    launch_with_fallback("bwd_dq", spec, q.device, launch_dq, configs.get("bwd_dq"))
+    return dq, dk, dv

@@ -1,0 +1,197 @@
+"""FlashAttention forward in Triton: one program per (Q tile, query head, batch entry).
+
+The Q tile [BLOCK_M, D] stays on chip while K/V tiles [BLOCK_N, D] stream through it; an online
+softmax (running max m_i and sum l_i, in the log2 domain with exp2) rescales the accumulator acc,
+so scores never reach device memory.  Key tiles the mask hides entirely are never visited (the key
+range comes from the window / causal diagonal of the Q tile, as in flashport.masks.key_range), and
+only the boundary tiles pay for the mask: the loop runs masked tiles, then full tiles without any
+mask, then masked tiles again.
+
+Equivalent PyTorch math (per batch b, query head h, kv head h // G):
+    p = softmax(score(q[b, :, h] @ k[b, :, h // G].T), -1)     (score: see common.score_log2)
+    out[b, :, h] = (p * keep / (1 - dropout_p)) @ v[b, :, h // G]
+    lse[b, h] = logsumexp(score, -1)                           (natural log, float32; -inf if no key)
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .common import LN2_K, LOG2E_K, KernelArgs, dropout_keep, load_tile, score_log2, seq_bounds
+from .tuning import launch_with_fallback
+
+
+@triton.jit
+def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, offs_m, sk, diag, left, right,
+               qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
+               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """Key tiles [lo, hi) (lo a multiple of BLOCK_N); k_ptr / v_ptr point at key row lo."""
+    offs_nb = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    k_offs = offs_nb[:, None] * stride_ks + offs_d[None, :]
+    v_offs = offs_nb[:, None] * stride_vs + offs_dv[None, :]
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_nb
+        k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK, D != BLOCK_D)
+        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+        s, t = score_log2(qk, offs_m[:, None], offs_n[None, :], sk, diag, left, right, qk_scale, cap_in,
+                          cap_out, slope2, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI)
+        m_ij = tl.maximum(m_i, tl.max(s, 1))
+        if MASK:
+            # A row that has seen no visible key yet has m_ij = -inf; a finite stand-in keeps
+            # exp2(-inf - m) = 0 instead of NaN.
+            m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+        p = tl.exp2(s - m_ij[:, None])
+        alpha = tl.exp2(m_i - m_ij)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            # l_i normalises the undropped probabilities; kept ones are rescaled in the epilogue.
+            p = tl.where(dropout_keep(seed, rng_offset, bh, offs_m[:, None], offs_n[None, :], drop_threshold),
+                         p, 0.0)
+        v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK, DV != BLOCK_DV)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+        m_i = m_ij
+        k_ptr += BLOCK_N * stride_ks
+        v_ptr += BLOCK_N * stride_vs
+    return acc, l_i, m_i
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
+def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
+              stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+              stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_slope_b,
+              seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold, drop_scale,
+              D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
+              HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+              PRECISION: tl.constexpr):
+    # Heaviest Q tiles (largest row index: most keys under causal) are scheduled first.
+    pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    h = tl.program_id(1)
+    b = tl.program_id(2)
+    n_heads = tl.num_programs(1)
+    q_start, sq, k_start, sk = seq_bounds(b, CuQ, CuK, seqlen_q, seqlen_k, IS_VARLEN)
+    start_m = pid_m * BLOCK_M
+    if start_m >= sq:
+        return
+    diag = sk - sq
+    kvh = h // group
+    offs_mb = tl.arange(0, BLOCK_M)
+    offs_m = start_m + offs_mb
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    # int64 before any multiply by a stride: offsets may pass 2**31 elements.
+    b64 = tl.cast(b, tl.int64)
+    q_ptr = Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + tl.cast(q_start + start_m, tl.int64) * stride_qs
+    q = load_tile(q_ptr + offs_mb[:, None] * stride_qs + offs_d[None, :], offs_m[:, None], sq, offs_d[None, :], D,
+                  True, D != BLOCK_D)
+
+    # Keys any row of this tile can see: [lo, hi) (flashport.masks.key_range).
+    m_end = tl.minimum(start_m + BLOCK_M, sq)
+    lo = 0
+    hi = sk
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + diag - left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(m_end + diag + right, sk)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    # Full tiles [full_lo, full_hi): every row of the tile sees every key, no mask needed.
+    full_lo = lo
+    full_hi = sk
+    if HAS_LEFT:
+        full_lo = tl.maximum(tl.cdiv(tl.maximum(m_end - 1 + diag - left, 0), BLOCK_N) * BLOCK_N, lo)
+    if HAS_RIGHT:
+        full_hi = tl.minimum(start_m + diag + right + 1, sk)
+    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(Slopes + b * stride_slope_b + h) * LOG2E_K
+    seed = 0
+    rng_offset = 0
+    if DROPOUT:
+        seed = tl.load(Rng)
+        rng_offset = tl.load(Rng + 1).to(tl.int32)
+    bh = b * n_heads + h
+
+    k_base = K + b64 * stride_kb + tl.cast(kvh, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_ks
+    v_base = V + b64 * stride_vb + tl.cast(kvh, tl.int64) * stride_vh + tl.cast(k_start, tl.int64) * stride_vs
+    m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, k_base + tl.cast(lo, tl.int64) * stride_ks, v_base + tl.cast(lo, tl.int64) * stride_vs,
+        stride_ks, stride_vs, lo, full_lo, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2,
+        seed, rng_offset, bh, drop_threshold, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
+        SOFTCAP, ALIBI, DROPOUT, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, k_base + tl.cast(full_lo, tl.int64) * stride_ks,
+        v_base + tl.cast(full_lo, tl.int64) * stride_vs, stride_ks, stride_vs, full_lo, full_hi, offs_m, sk, diag,
+        left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, D, DV, BLOCK_N,
+        BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+    acc, l_i, m_i = _fwd_tiles(
+        acc, l_i, m_i, q, k_base + tl.cast(full_hi, tl.int64) * stride_ks,
+        v_base + tl.cast(full_hi, tl.int64) * stride_vs, stride_ks, stride_vs, full_hi, hi, offs_m, sk, diag,
+        left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, D, DV, BLOCK_N,
+        BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+
+    # Epilogue: rows that saw no key (l_i = 0) get out = 0 and lse = -inf.
+    empty = l_i == 0.0
+    l_safe = tl.where(empty, 1.0, l_i)
+    out = acc * (drop_scale / l_safe)[:, None]
+    lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2_K)
+    o_ptr = Out + b64 * stride_ob + tl.cast(h, tl.int64) * stride_oh + tl.cast(q_start + start_m, tl.int64) * stride_os
+    tl.store(o_ptr + offs_mb[:, None] * stride_os + offs_dv[None, :], out.to(Out.dtype.element_ty),
+             mask=(offs_m[:, None] < sq) & (offs_dv[None, :] < DV))
+    row_stats = b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + tl.cast(q_start, tl.int64)
+    tl.store(Lse + row_stats + offs_m, lse, mask=offs_m < sq)
+    # The backward's copy, in the log2 domain (no ln2 round trip in P = exp2(s2 - lse2)) and +inf
+    # for rows without keys, so that P = 0 there.
+    lse2 = tl.where(empty, float("inf"), m_i + tl.log2(l_safe))
+    tl.store(Lse2 + row_stats + offs_m, lse2, mask=offs_m < sq)
+
+
+def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None, config=None):
+    """Launch the forward.  Dense: q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] ->
+    out [B, Sq, Hq, Dv] (q's dtype), lse [B, Hq, Sq] float32, lse2 (lse / ln 2, +inf where lse is
+    -inf; what the backward reads).  Varlen: q [total_q, Hq, D] etc. -> out [total_q, Hq, Dv],
+    lse and lse2 [Hq, total_q]; rows past cu_seqlens_q[-1] are zero with lse -inf.
+    config: a tuning.KernelConfig to force (autotuning); default: the table / fallback choice."""
+    varlen = spec.kind == "varlen"
+    hq, dv = spec.heads_q, spec.head_dim_v
+    if varlen:
+        # Rows past cu_seqlens_q[-1] belong to no program: pre-filled here (no host sync needed).
+        out = torch.zeros(q.shape[0], hq, dv, dtype=q.dtype, device=q.device)
+        lse = torch.full((hq, q.shape[0]), float("-inf"), dtype=torch.float32, device=q.device)
+        o_strides = (0, out.stride(0), out.stride(1))
+        l_strides = (0, lse.stride(0))
+    else:
+        out = torch.empty(spec.batch, spec.seqlen_q, hq, dv, dtype=q.dtype, device=q.device)
+        lse = torch.empty(spec.batch, hq, spec.seqlen_q, dtype=torch.float32, device=q.device)
+        o_strides = (out.stride(0), out.stride(1), out.stride(2))
+        l_strides = (lse.stride(0), lse.stride(1))
+    lse2 = torch.empty_like(lse)
+    if out.numel() == 0 or spec.seqlen_q == 0 or spec.batch == 0:
+        if not varlen:
+            lse.fill_(float("-inf"))
+        return out, lse, lse2.fill_(float("inf"))
+    a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state)
+
+    def launch(cfg):
+        grid = (triton.cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
+        _attn_fwd[grid](
+            q, k, v, out, lse, lse2, a.slopes, a.cu_q, a.cu_k, a.rng,
+            *a.q_strides, *a.k_strides, *a.v_strides, *o_strides, *l_strides, a.slope_stride,
+            a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,
+            a.drop_threshold, a.drop_scale,
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            **a.constexprs)
+
+    launch_with_fallback("fwd", spec, q.device, launch, config)
+    return out, lse, lse2

@@ -1,0 +1,162 @@
+"""Shared @triton.jit helpers of the attention kernels: sequence bounds, tile loads, the score
+transform (scale, softcap, ALiBi, visibility mask) and the dropout keep-mask.
+
+Scores live in the log2 domain inside the kernels: `s2 = s * log2(e)`, so the online softmax uses
+`exp2` and `softmax_scale * log2(e)` is folded into one multiply.  The equivalent PyTorch math of
+`score_log2` for one (query row i, key j) pair is
+
+    s = scale * (q_i . k_j)
+    s = softcap * tanh(s / softcap)              if softcap > 0
+    s = s - slope * |i + Sk - Sq - j|            with ALiBi
+    s = -inf  unless  i + Sk - Sq - left <= j <= i + Sk - Sq + right  and  j < Sk
+    s2 = s * log2(e)
+
+`dropout_keep` reproduces flashport.dropout.keep_mask bit for bit (tests check it).
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from ..dropout import threshold24
+
+LOG2E = 1.4426950408889634  # host side
+# Kernel-side constants (globals used inside @triton.jit must be constexpr).
+LOG2E_K = tl.constexpr(1.4426950408889634)
+LN2_K = tl.constexpr(0.6931471805599453)
+
+
+@triton.jit
+def seq_bounds(b, CuQ, CuK, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
+    """(q_start, Sq, k_start, Sk) of batch entry b: packed offsets from cu_seqlens, or the dense sizes."""
+    if IS_VARLEN:
+        q_start = tl.load(CuQ + b)
+        sq = tl.load(CuQ + b + 1) - q_start
+        k_start = tl.load(CuK + b)
+        sk = tl.load(CuK + b + 1) - k_start
+    else:
+        q_start = b * 0
+        sq = seqlen_q + b * 0
+        k_start = b * 0
+        sk = seqlen_k + b * 0
+    return q_start, sq, k_start, sk
+
+
+@triton.jit
+def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_COLS: tl.constexpr):
+    """Load a [R, C] tile, masking only the dimensions that can run past the tensor (zeros there).
+    rows [R, 1] / cols [1, C] are indices compared against n_rows / n_cols."""
+    if CHECK_ROWS:
+        if CHECK_COLS:
+            x = tl.load(ptrs, mask=(rows < n_rows) & (cols < n_cols), other=0.0)
+        else:
+            x = tl.load(ptrs, mask=rows < n_rows, other=0.0)
+    else:
+        if CHECK_COLS:
+            x = tl.load(ptrs, mask=cols < n_cols, other=0.0)
+        else:
+            x = tl.load(ptrs)
+    return x
+
+
+@triton.jit
+def tanh(x):
+    # 1 - 2 / (e^{2x} + 1): exact limits at both tails (e^{2x} -> inf gives 1, -> 0 gives -1) and it
+    # runs in the interpreter, which has no libdevice.  Absolute error ~1 ulp of 1, which after the
+    # multiply by softcap is the rounding of the largest scores anyway.
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+
+
+@triton.jit
+def visible(i, j, sk, diag, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """flashport.masks.visible with diag = Sk - Sq; i and j broadcast ([M, 1] x [1, N] or transposed)."""
+    ok = j < sk
+    if HAS_LEFT:
+        ok = ok & (j >= i + diag - left)
+    if HAS_RIGHT:
+        ok = ok & (j <= i + diag + right)
+    return ok
+
+
+@triton.jit
+def score_log2(qk, i, j, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2,
+               MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Raw dot products qk -> (s2, t): final scores in the log2 domain (-inf where hidden) and, with
+    softcap, t = tanh(scale * qk / softcap) for the backward (else t is s2, unused).
+
+    qk_scale = scale * log2(e); cap_in = scale / softcap; cap_out = softcap * log2(e);
+    slope2 = ALiBi slope * log2(e).  Only boundary tiles pass MASK=True."""
+    if SOFTCAP:
+        t = tanh(qk * cap_in)
+        s = t * cap_out
+    else:
+        s = qk * qk_scale
+        t = s
+    if ALIBI:
+        s = s - slope2 * tl.abs(i + diag - j).to(tl.float32)
+    if MASK:
+        s = tl.where(visible(i, j, sk, diag, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+    return s, t
+
+
+@triton.jit
+def dropout_keep(seed, rng_offset, bh, i, j, drop_threshold):
+    """Keep-mask of flashport.dropout for positions i (query) and j (key), broadcast to one block:
+    Philox-4x32-10 with key = seed (int64) and counter (j, i, b * Hq + h, offset); keep iff the top 24
+    bits of the first word are >= drop_threshold (= threshold24(p))."""
+    zero = i * 0 + j * 0
+    c0 = j + zero
+    c1 = i + zero
+    c2 = zero + bh
+    c3 = zero + rng_offset
+    w0, w1, w2, w3 = tl.philox(seed, c0, c1, c2, c3)
+    return (w0 >> 8).to(tl.int32) >= drop_threshold
+
+
+# ----------------------------------------------------------------------------- host side
+class KernelArgs:
+    """The launch arguments shared by the forward and backward kernels, derived from an AttnSpec and
+    its tensors: strides (batch stride 0 for packed varlen tensors), sizes, window, the folded score
+    constants, dropout threshold and the compile-time feature flags."""
+
+    def __init__(self, spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None):
+        varlen = self.varlen = spec.kind == "varlen"
+        self.q_strides, self.k_strides, self.v_strides = self.strides(q), self.strides(k), self.strides(v)
+        self.seqlen_q, self.seqlen_k = spec.seqlen_q, spec.seqlen_k
+        self.group = spec.group_size
+        self.left, self.right = spec.window_left, spec.window_right
+        scale = spec.softmax_scale
+        self.qk_scale = scale * LOG2E
+        self.cap_in = scale / spec.softcap if spec.softcap > 0 else 0.0
+        self.cap_out = spec.softcap * LOG2E
+        self.slopes, self.slope_stride = None, 0
+        if alibi is not None:
+            self.slopes = alibi.contiguous()
+            self.slope_stride = self.slopes.stride(0) if self.slopes.dim() == 2 else 0
+        self.cu_q, self.cu_k = (cu_seqlens_q, cu_seqlens_k) if varlen else (None, None)
+        dropout = spec.dropout_p > 0
+        self.rng = rng_state if dropout else None
+        self.drop_threshold = threshold24(spec.dropout_p) if dropout else 0
+        self.drop_scale = 1.0 / (1.0 - spec.dropout_p)
+        if spec.dtype == torch.float32:
+            precision = "tf32" if os.environ.get("FLASHPORT_ALLOW_TF32", "0") == "1" else "ieee"
+        else:
+            precision = "tf32"  # ignored for 16-bit inputs
+        self.constexprs = dict(
+            D=spec.head_dim, DV=spec.head_dim_v, BLOCK_D=block_dim(spec.head_dim),
+            BLOCK_DV=block_dim(spec.head_dim_v), IS_VARLEN=varlen, HAS_LEFT=spec.window_left >= 0,
+            HAS_RIGHT=spec.window_right >= 0, SOFTCAP=spec.softcap > 0, ALIBI=alibi is not None,
+            DROPOUT=dropout, PRECISION=precision)
+
+    def strides(self, x):
+        """(batch, seq, head) strides of a [B, S, H, D] or packed [total, H, D] tensor (head dim: 1)."""
+        return (0, x.stride(0), x.stride(1)) if self.varlen else (x.stride(0), x.stride(1), x.stride(2))
+
+
+def block_dim(d: int) -> int:
+    """Head dims are padded in-kernel to a power of two >= 16 (tl.dot's minimum)."""
+    return max(16, triton.next_power_of_2(d))

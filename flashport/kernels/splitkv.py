@@ -1,0 +1,120 @@
+"""Host-side launch planning of the KV-cache kernel: tile sizes and the flash-decoding split count.
+
+Decoding reads the whole KV cache to produce a handful of query rows, so it is bound by memory
+bandwidth, and `batch * kv_heads` programs (one per GQA group) rarely fill a GPU.  Flash-decoding
+splits each sequence's keys into `num_splits` chunks processed by separate programs, then merges the
+partial results exactly (flashport.kernels.merge).  Everything here is decided from static facts
+(shapes, capacity, SM count): sequence lengths live on the device and are never read by the host,
+so a decode step stays free of host synchronisation and capturable in a CUDA graph.
+"""
+from __future__ import annotations
+
+import functools
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+
+MAX_SPLITS = 128
+INTERPRETER_SMS = 2          # a tiny "GPU" so the interpreter tests exercise splitting
+WAVES = 2                    # programs per SM we aim for (flash-decoding: >= ~2 waves)
+MIN_TILES_PER_SPLIT = 2      # on a GPU each split streams at least this many BLOCK_N tiles
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+@dataclass(frozen=True)
+class DecodeConfig:
+    BLOCK_M: int      # packed query rows (G * Sq of one KV head) per program, >= 16 for tl.dot
+    BLOCK_N: int      # keys per tile
+    BLOCK_D: int      # head dim padded to a power of two
+    BLOCK_DV: int
+    num_warps: int
+    num_stages: int
+
+    def smem_bytes(self, elem_size: int) -> int:
+        """Rough shared-memory need: pipelined K and V tiles plus the Q tile."""
+        kv = self.num_stages * self.BLOCK_N * (self.BLOCK_D + self.BLOCK_DV) * elem_size
+        return kv + self.BLOCK_M * self.BLOCK_D * elem_size
+
+
+def _pow2(x: int, lo: int = 16) -> int:
+    return max(lo, 1 << max(0, math.ceil(math.log2(max(1, x)))))
+
+
+@functools.lru_cache(maxsize=None)
+def _device_facts(index: int) -> tuple[int, int, tuple[int, int]]:
+    props = torch.cuda.get_device_properties(index)
+    smem = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
+    return props.multi_processor_count, smem, (props.major, props.minor)
+
+
+def device_facts(device: torch.device) -> tuple[int, int, tuple[int, int]]:
+    """(SM count, opt-in shared memory per block in bytes, compute capability) of a CUDA device."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _device_facts(index)
+
+
+def sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    return device_facts(device)[0]
+
+
+def smem_limit(device: torch.device) -> int:
+    if device.type != "cuda":
+        return 1 << 30
+    return device_facts(device)[1]
+
+
+def choose_config(rows: int, head_dim: int, head_dim_v: int, elem_size: int, smem: int,
+                  interpreter: bool, block_m: int | None = None, block_n: int | None = None) -> DecodeConfig | None:
+    """Tile sizes for `rows` = G * Sq packed query rows per KV head; None if nothing fits in `smem`.
+
+    Decode is bandwidth-bound: BLOCK_N 64..128 with 2-3 pipeline stages keeps enough loads in flight,
+    and BLOCK_M stays small (16 for plain decode) because the packed rows are few."""
+    bd, bdv = _pow2(head_dim), _pow2(head_dim_v)
+    bm = block_m or min(64, _pow2(rows))
+    if interpreter:  # small tiles: tiny test shapes still span several tiles and splits
+        return DecodeConfig(bm, block_n or 16, bd, bdv, 4, 1)
+    bn = block_n or (128 if max(bd, bdv) <= 64 else 64)
+    stages = 3 if max(bd, bdv) <= 128 else 2
+    warps = 8 if bm >= 64 and max(bd, bdv) >= 128 else 4
+    while True:
+        cfg = DecodeConfig(bm, bn, bd, bdv, warps, stages)
+        if cfg.smem_bytes(elem_size) <= smem:
+            return cfg
+        if stages > 1:
+            stages -= 1
+        elif bn > 16 and block_n is None:
+            bn //= 2
+        else:
+            return None
+
+
+def choose_num_splits(programs: int, n_tiles: int, sms: int, min_tiles: int = MIN_TILES_PER_SPLIT,
+                      max_splits: int = MAX_SPLITS) -> int:
+    """How many key chunks per (batch, kv head, row block) program (FlashAttention's heuristic).
+
+    programs: batch * kv_heads * row blocks without splitting; n_tiles: BLOCK_N tiles of the cache
+    capacity.  With >= 80% of the WAVES * sms slots already busy, splitting only adds the merge.
+    Otherwise pick the smallest split count whose wave efficiency (waves / ceil(waves)) is within
+    85% of the best, skipping counts that do not change the tiles per split."""
+    slots = WAVES * sms
+    if programs <= 0 or n_tiles <= 1 or programs >= 0.8 * slots:
+        return 1
+    limit = max(1, min(max_splits, slots, n_tiles // max(1, min_tiles)))
+
+    def useful(s: int) -> bool:  # s splits do something s - 1 splits did not
+        return s == 1 or -(-n_tiles // s) != -(-n_tiles // (s - 1))
+
+    def efficiency(s: int) -> float:
+        waves = programs * s / slots
+        return waves / math.ceil(waves)
+
+    candidates = [s for s in range(1, limit + 1) if useful(s)]
+    best = max(efficiency(s) for s in candidates)
+    return next(s for s in candidates if efficiency(s) >= 0.85 * best)

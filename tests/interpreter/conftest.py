@@ -1,0 +1,1 @@
+import os; os.environ["TRITON_INTERPRET"] = "1"

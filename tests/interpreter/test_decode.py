@@ -1,0 +1,317 @@
+"""Interpreter tier: the Triton KV-cache kernel (dense + paged, split-KV) and the merge kernel,
+against the `reference` backend under the tolerance rule (tests/conformance.py).
+
+Caches are poisoned with NaN beyond every sequence's valid length (and in unused pages), so a
+kernel that reads a key it must not read produces NaN and fails.  The reference runs on a clone
+of the cache with the poison replaced by zeros.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Optional
+
+import pytest
+import torch
+
+import flashport
+from conformance import assert_within_rule
+from flashport.backend.reference import materialized_attention
+from flashport.kernels.decode import kvcache_attention, kvcache_supports
+from flashport.kernels.merge import merge_states_triton
+from flashport.kernels.splitkv import choose_config, choose_num_splits
+from flashport.kvcache import append_kv, gather_pages
+from flashport.merge import merge_states_torch
+from flashport.spec import kvcache_spec
+
+pytestmark = [
+    pytest.mark.interpreter,
+    # The interpreter turns the kernels' runtime loop bounds into ints through a deprecated NumPy path.
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
+
+@dataclass(frozen=True)
+class KV:
+    lens: tuple = (0, 17, 69)     # cache lengths before the append, one per batch entry
+    cap: int = 70                 # capacity (dense S_cache, or max_blocks * page)
+    sq: int = 1
+    s_new: int = 1
+    hq: int = 4
+    hkv: int = 1
+    d: int = 32
+    dv: Optional[int] = None
+    page: int = 0                 # 0 = dense cache
+    causal: bool = True
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[str] = None
+    scale: Optional[float] = None
+    dtype: torch.dtype = torch.float32
+    strided: bool = False
+    num_splits: Optional[int] = 3
+    block_m: Optional[int] = None
+    block_n: Optional[int] = None
+
+    @property
+    def b(self):
+        return len(self.lens)
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+
+def _strided(x):
+    """Same values, non-contiguous (unit stride only in the last dim)."""
+    big = torch.full((*x.shape[:-1], x.shape[-1] + 5), float("nan"), dtype=x.dtype)
+    big[..., 2:2 + x.shape[-1]] = x
+    return big[..., 2:2 + x.shape[-1]]
+
+
+def make(case: KV, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    dv = case.dv or case.d
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to(case.dtype)
+
+    q = rnd(case.b, case.sq, case.hq, case.d)
+    k_full, v_full = rnd(case.b, case.cap, case.hkv, case.d), rnd(case.b, case.cap, case.hkv, dv)
+    for b, n in enumerate(case.lens):          # poison everything past the valid length
+        k_full[b, n:] = float("nan")
+        v_full[b, n:] = float("nan")
+    k_new = rnd(case.b, case.s_new, case.hkv, case.d) if case.s_new else None
+    v_new = rnd(case.b, case.s_new, case.hkv, dv) if case.s_new else None
+    block_table = None
+    if case.page:
+        n_pages = case.cap // case.page
+        num_blocks = case.b * n_pages + 3      # spare blocks stay NaN and unreferenced
+        perm = torch.randperm(num_blocks, generator=g)[: case.b * n_pages]
+        block_table = perm.reshape(case.b, n_pages).to(torch.int32)
+        k_cache = torch.full((num_blocks, case.page, case.hkv, case.d), float("nan"), dtype=case.dtype)
+        v_cache = torch.full((num_blocks, case.page, case.hkv, dv), float("nan"), dtype=case.dtype)
+        pos = torch.arange(case.cap)
+        for b in range(case.b):
+            blocks = block_table[b].long()[pos // case.page]
+            k_cache[blocks, pos % case.page] = k_full[b]
+            v_cache[blocks, pos % case.page] = v_full[b]
+    else:
+        k_cache, v_cache = k_full, v_full
+        if case.strided:
+            k_cache, v_cache = _strided(k_cache), _strided(v_cache)
+    if case.strided:
+        q = _strided(q)
+    slopes = None
+    if case.alibi == "head":
+        slopes = torch.rand(case.hq, generator=g) * 0.5 + 0.05
+    elif case.alibi == "batch_head":
+        slopes = torch.rand(case.b, case.hq, generator=g) * 0.5 + 0.05
+    lens = torch.tensor(case.lens, dtype=torch.int32)
+    return q, k_cache, v_cache, k_new, v_new, lens, block_table, slopes
+
+
+def _kw(case: KV, slopes):
+    return dict(causal=case.causal, softmax_scale=case.scale, window_size=case.window, softcap=case.softcap,
+                alibi_slopes=slopes)
+
+
+def run_triton(case: KV, q, k_cache, v_cache, k_new, v_new, lens, block_table, slopes):
+    """What flashport.attention_with_kvcache does, with the split / tile overrides of the case."""
+    spec, inputs, (k, v, cache_seqlens) = kvcache_spec(
+        q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, block_table=block_table, return_lse=True,
+        **_kw(case, slopes))
+    assert kvcache_supports(spec) == []
+    append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    return kvcache_attention(spec, inputs, num_splits=case.num_splits, block_m=case.block_m,
+                             block_n=case.block_n)
+
+
+def expected_cache(cache, new, lens, block_table):
+    """The cache after the in-place append, computed independently of flashport.kvcache."""
+    cache = cache.clone()
+    if new is None:
+        return cache
+    for b in range(new.shape[0]):
+        for t in range(new.shape[1]):
+            pos = int(lens[b]) + t
+            if block_table is None:
+                cache[b, pos] = new[b, t]
+            else:
+                page = cache.shape[1]
+                cache[int(block_table[b, pos // page]), pos % page] = new[b, t]
+    return cache
+
+
+def check(case: KV, seed=0, via_api=False):
+    q, k_cache, v_cache, k_new, v_new, lens, bt, slopes = make(case, seed)
+    k_ref, v_ref = k_cache.nan_to_num(0.0).double(), v_cache.nan_to_num(0.0).double()
+    want_k = expected_cache(k_cache, k_new, lens, bt)
+    want_v = expected_cache(v_cache, v_new, lens, bt)
+
+    if via_api:
+        out, lse = flashport.attention_with_kvcache(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens,
+                                                    block_table=bt, return_lse=True, backend="triton",
+                                                    **_kw(case, slopes))
+    else:
+        out, lse = run_triton(case, q, k_cache, v_cache, k_new, v_new, lens, bt, slopes)
+    assert out.dtype == case.dtype and lse.dtype == torch.float32
+    assert out.shape == (case.b, case.sq, case.hq, case.dv or case.d) and lse.shape == (case.b, case.hq, case.sq)
+    torch.testing.assert_close(k_cache, want_k, rtol=0, atol=0, equal_nan=True, msg="in-place append of k")
+    torch.testing.assert_close(v_cache, want_v, rtol=0, atol=0, equal_nan=True, msg="in-place append of v")
+
+    dbl = (lambda t: None if t is None else t.double())
+    ref, ref_lse = flashport.attention_with_kvcache(
+        q.double(), k_ref, v_ref, dbl(k_new), dbl(v_new), cache_seqlens=lens, block_table=bt, return_lse=True,
+        backend="reference", **_kw(case, slopes))
+    # Same-dtype math path over the appended (clean) cache, for the tolerance rule.
+    k_dense = gather_pages(k_ref, bt) if bt is not None else k_ref
+    v_dense = gather_pages(v_ref, bt) if bt is not None else v_ref
+    left, right = case.window
+    right = 0 if case.causal else right
+    alibi = None if slopes is None else slopes.expand(case.b, case.hq)
+    low, low_lse = materialized_attention(
+        q, k_dense.to(case.dtype), v_dense.to(case.dtype), scale=case.scale or case.d ** -0.5,
+        softcap=case.softcap, alibi=alibi, left=left, right=right, seqlens_k=lens + case.s_new,
+        compute_dtype=case.dtype)
+    assert_within_rule(f"out {case}", out, ref, low, case.dtype, 2)
+    finite = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), finite), f"lse -inf pattern {case}"
+    assert_within_rule(f"lse {case}", lse[finite], ref_lse[finite], low_lse[finite], case.dtype, 2)
+    assert (out.float()[~finite.transpose(1, 2)] == 0).all(), "rows that see no key must be zeros"
+    return out, lse
+
+
+F16 = torch.float16
+CASES = {
+    # Sq = 1 decode, MQA, an empty cache before the append and one that ends full.
+    "dense-mqa-decode": KV(),
+    # Zero-length sequences (no append) see no key; GQA Hq=4/Hkv=2; odd head dims, Dv != D.
+    "dense-gqa-f16-zero-len": KV(lens=(0, 33, 64), cap=64, s_new=0, hkv=2, d=40, dv=24, dtype=F16, num_splits=2),
+    # Page 16 with BLOCK_N = 32: every tile straddles two pages of a shuffled table.
+    "paged16-straddle": KV(lens=(15, 79, 40), cap=80, page=16, hkv=2, block_n=32),
+    # A page (48) that BLOCK_N neither divides nor is divided by; Sq = 4 speculative verification.
+    "paged48-verify-f16": KV(lens=(0, 50, 92), cap=96, page=48, sq=4, s_new=4, block_n=32, num_splits=2,
+                             dtype=F16),
+    # Larger pages, chunked prefill of 3 tokens, more splits than tiles for the short sequence.
+    "paged128-chunk": KV(lens=(3, 125, 200), cap=256, page=128, sq=3, s_new=3, hkv=2, num_splits=4),
+    "window-causal": KV(lens=(2, 30, 60), cap=64, sq=3, s_new=3, window=(8, 0), hkv=2, num_splits=2),
+    "window-two-sided": KV(lens=(9, 40), cap=48, sq=2, s_new=0, causal=False, window=(5, 2)),
+    "softcap-paged": KV(lens=(31, 64), cap=64, page=16, softcap=3.0, s_new=0, hkv=2),
+    "alibi-head": KV(lens=(5, 40), cap=48, sq=2, s_new=2, alibi="head", scale=0.3),
+    "alibi-batch-head-paged-f16": KV(lens=(20, 47), cap=64, page=32, alibi="batch_head", hkv=2, dtype=F16),
+    "noncausal-sq5": KV(lens=(6, 26), cap=32, sq=5, s_new=2, causal=False, hkv=2, num_splits=2),
+    # 36 packed rows in BLOCK_M = 16 blocks: each row block computes its own key range.
+    "row-blocks-window": KV(lens=(0, 45), cap=64, sq=9, s_new=9, window=(6, 0), block_m=16, num_splits=2),
+    # More query rows than keys without an append: the first rows see nothing.
+    "sq-exceeds-len": KV(lens=(1, 0, 4), cap=16, sq=3, s_new=0, num_splits=1),
+    "strided": KV(lens=(12, 30), cap=32, sq=2, s_new=1, strided=True, hkv=2, d=24),
+    # No overrides: the split heuristic and the default tiles.
+    "heuristic": KV(lens=(7, 100), cap=112, page=16, sq=2, s_new=1, hkv=2, num_splits=None),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kvcache_kernel(name):
+    check(CASES[name])
+
+
+def test_splits_agree_with_one_split():
+    """Splitting only changes the summation order: all split counts agree with one split closely."""
+    base = KV(lens=(10, 60, 95), cap=96, page=16, hkv=2, s_new=1, num_splits=1, block_n=16)
+    out1, lse1 = check(base)
+    for splits in (2, 5, 7):
+        out, lse = check(base.replace(num_splits=splits))
+        torch.testing.assert_close(out, out1, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(lse, lse1, rtol=1e-5, atol=1e-5)
+
+
+def test_public_api_triton_backend():
+    names = [b.name for b in flashport.backends()]
+    if "triton" not in names:
+        pytest.skip("the triton backend is not registered in this checkout yet")
+    check(KV(lens=(0, 40, 63), cap=64, page=16, sq=2, s_new=1, hkv=2, num_splits=None), via_api=True)
+    check(KV(lens=(3, 20), cap=24, s_new=0, dtype=F16, num_splits=None), via_api=True)
+
+
+def test_supports_reasons(monkeypatch):
+    q = torch.randn(1, 1, 2, 16)
+    kc = torch.randn(1, 8, 1, 16)
+    spec, _, _ = kvcache_spec(q, kc, kc, None, None, cache_seqlens=None, block_table=None, causal=False,
+                              softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              return_lse=False)
+    assert kvcache_supports(spec) == []
+    assert any("float64" in r for r in kvcache_supports(dataclasses.replace(spec, dtype=torch.float64)))
+    assert any("head dim" in r for r in kvcache_supports(dataclasses.replace(spec, head_dim=320)))
+    assert any("dropout" in r for r in kvcache_supports(dataclasses.replace(spec, dropout_p=0.1)))
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert any("TRITON_INTERPRET" in r for r in kvcache_supports(spec))
+
+
+def test_split_heuristic():
+    # One GQA group over a long cache on a 132-SM GPU: split until ~2 waves, >= 2 tiles per split.
+    s = choose_num_splits(programs=8, n_tiles=128, sms=132)
+    assert 16 <= s <= 64
+    assert choose_num_splits(programs=8, n_tiles=6, sms=132) <= 3          # capped by the tiles
+    assert choose_num_splits(programs=1024, n_tiles=128, sms=132) == 1     # the batch fills the GPU
+    assert choose_num_splits(programs=4, n_tiles=1, sms=132) == 1
+    assert choose_num_splits(programs=2, n_tiles=8, sms=2, min_tiles=1) > 1  # the interpreter splits too
+    # Tiles always fit the shared memory they are chosen for, or no config is returned.
+    cfg = choose_config(8, 256, 256, 4, 99 * 1024, interpreter=False)
+    assert cfg is not None and cfg.smem_bytes(4) <= 99 * 1024
+    assert choose_config(8, 256, 256, 4, 8 * 1024, interpreter=False) is None
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_merge_kernel_matches_torch(dtype):
+    g = torch.Generator().manual_seed(1)
+    b, sq, hq, dv, parts = 2, 3, 5, 40, 3
+    outs = [torch.randn(b, sq, hq, dv, generator=g).to(dtype) for _ in range(parts)]
+    lses = [torch.randn(b, hq, sq, generator=g) * 3 for _ in range(parts)]
+    lses[1][0, 2, :] = float("-inf")           # an empty part: its garbage must not leak
+    outs[1][0, :, 2] = float("nan")
+    for lse in lses:                           # a row no part sees
+        lse[1, 4, 1] = float("-inf")
+    out, lse = merge_states_triton(outs, lses)
+    ref, ref_lse = merge_states_torch(outs, lses)
+    assert out.dtype == dtype and lse.dtype == torch.float32
+    assert torch.isfinite(out).all()
+    tol = 1e-6 if dtype == torch.float32 else 1e-3
+    torch.testing.assert_close(out, ref, rtol=tol, atol=tol)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-6)
+    assert lse[1, 4, 1] == float("-inf") and (out[1, 1, 4] == 0).all()
+    # A single part comes back unchanged, except rows it does not see (lse -inf): zeros.
+    one, one_lse = merge_states_triton(outs[:1], lses[:1])
+    seen = torch.isfinite(lses[0]).transpose(1, 2)[..., None]
+    torch.testing.assert_close(one, torch.where(seen, outs[0], torch.zeros_like(outs[0])), rtol=0, atol=0)
+    torch.testing.assert_close(one_lse, lses[0], rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("paged", [False, True])
+def test_whole_cache_valid_without_seqlens(paged):
+    """cache_seqlens=None: every cache position is a key (capacity = Sk), here with a left window."""
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 2, 4, 16, generator=g)
+    k_cache, v_cache = torch.randn(2, 40, 2, 16, generator=g), torch.randn(2, 40, 2, 16, generator=g)
+    table = None
+    if paged:  # the same keys, in 16-token pages of a shuffled pool
+        table = torch.tensor([[4, 0], [2, 5]], dtype=torch.int32)
+        dense_k, dense_v = k_cache[:, :32], v_cache[:, :32]
+        k_cache = torch.full((6, 16, 2, 16), float("nan"))
+        v_cache = torch.full((6, 16, 2, 16), float("nan"))
+        k_cache[table.long().flatten()] = dense_k.reshape(4, 16, 2, 16)
+        v_cache[table.long().flatten()] = dense_v.reshape(4, 16, 2, 16)
+    kw = dict(block_table=table, window_size=(5, -1), return_lse=True)
+    out, lse = flashport.attention_with_kvcache(q, k_cache, v_cache, backend="triton", **kw)
+    ref, ref_lse = flashport.attention_with_kvcache(q.double(), k_cache.nan_to_num(0).double(),
+                                                    v_cache.nan_to_num(0).double(), backend="reference", **kw)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-5, atol=1e-5)
+
+
+def test_empty_query_and_batch():
+    kc = torch.randn(2, 8, 1, 16)
+    out = flashport.attention_with_kvcache(torch.randn(2, 0, 2, 16), kc, kc, backend="triton")
+    assert out.shape == (2, 0, 2, 16)
+    out, lse = flashport.attention_with_kvcache(torch.randn(0, 1, 2, 16), kc[:0], kc[:0], backend="triton",
+                                                return_lse=True)
+    assert out.shape == (0, 1, 2, 16) and lse.shape == (0, 2, 1)

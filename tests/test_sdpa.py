@@ -1,0 +1,118 @@
+"""Backend `sdpa` on CPU: conformance where it serves a call, reasons where it does not, strictness."""
+import pytest
+import torch
+
+import flashport
+from flashport.backend.sdpa import SdpaBackend
+from flashport.check import GridCase, check_case
+from flashport.spec import dense_spec
+
+SERVED = [
+    GridCase("mha", b=2, sq=17, sk=17, hq=3, hkv=3, d=32),
+    GridCase("gqa", b=2, sq=19, sk=29, hq=4, hkv=2, d=40),
+    GridCase("mqa-dv", sq=31, sk=57, hq=4, hkv=1, d=64, dv=24),
+    GridCase("causal-square", sq=33, sk=33, hq=2, hkv=1, d=64, causal=True),
+    GridCase("causal-lower-right", sq=5, sk=113, hq=2, hkv=2, d=16, causal=True),  # Sq < Sk: bottom-right
+    GridCase("single", sq=1, sk=1, hq=1, hkv=1, d=16),
+    GridCase("d80-odd", sq=127, sk=3, hq=2, hkv=2, d=80),
+]
+
+
+@pytest.mark.parametrize("case", SERVED, ids=lambda c: c.name)
+def test_sdpa_conformance_with_grads(case):
+    r = check_case("sdpa", case, torch.float32, "cpu")
+    assert r.status == "PASS", r
+    assert r.checked == "out dq dk dv", r     # gradients checked; lse is never served
+
+
+def test_sdpa_float64_on_cpu():
+    # The rule has no oracle above float64; compare with the reference at float64 precision instead.
+    g = torch.Generator().manual_seed(1)
+    q, k, v = (torch.randn(2, n, h, 24, generator=g, dtype=torch.float64, requires_grad=True)
+               for n, h in ((9, 4), (21, 2), (21, 2)))
+    out = flashport.attention(q, k, v, causal=True, softmax_scale=0.3, backend="sdpa")
+    ref = flashport.attention(q, k, v, causal=True, softmax_scale=0.3, backend="reference")
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref, atol=1e-13, rtol=1e-12)
+    do = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)):
+        torch.testing.assert_close(a, b, atol=1e-12, rtol=1e-12)
+
+
+def test_sdpa_bf16_forward_and_grads():
+    r = check_case("sdpa", GridCase("bf16", b=2, sq=24, sk=40, hq=4, hkv=2, d=32, causal=True), torch.bfloat16, "cpu")
+    assert r.status == "PASS", r
+
+
+def _spec(sq=8, sk=8, hq=2, hkv=2, d=16, grad=False, **kw):
+    q = torch.randn(1, sq, hq, d, requires_grad=grad)
+    k, v = torch.randn(1, sk, hkv, d), torch.randn(1, sk, hkv, d)
+    args = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                dropout_p=0.0, deterministic=False, return_lse=False)
+    args.update(kw)
+    return dense_spec(q, k, v, **args)[0]
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(softcap=2.0), "softcap"),
+    (dict(alibi_slopes=torch.ones(2)), "alibi"),
+    (dict(window_size=(3, 3)), "window"),
+    (dict(window_size=(-1, 2)), "window"),
+    (dict(dropout_p=0.1), "dropout"),
+    (dict(return_lse=True), "lse"),
+    (dict(causal=True, sq=9, sk=4), "Sq > Sk"),
+    (dict(sk=0), "no keys"),
+])
+def test_sdpa_reasons(kw, reason):
+    spec = _spec(**kw)
+    reasons = SdpaBackend().supports(spec)
+    assert any(reason in r for r in reasons), reasons
+
+
+def test_sdpa_serves_causal_window_spelling():
+    # window (-1, 0) is causal spelled as a window: served like causal=True
+    assert SdpaBackend().supports(_spec(window_size=(-1, 0))) == []
+    assert SdpaBackend().supports(_spec(causal=True, sq=4, sk=9)) == []
+
+
+def test_sdpa_refuses_varlen_and_kvcache():
+    q = torch.randn(6, 2, 16)
+    cu = torch.tensor([0, 6], dtype=torch.int32)
+    with pytest.raises(flashport.UnsupportedError, match="varlen"):
+        flashport.attention_varlen(q, q, q, cu, cu, 6, 6, backend="sdpa")
+    cache = torch.randn(1, 8, 2, 16)
+    with pytest.raises(flashport.UnsupportedError, match="kvcache"):
+        flashport.attention_with_kvcache(q[None, :1], cache, cache.clone(), backend="sdpa")
+
+
+def test_sdpa_is_strict_when_named():
+    q = torch.randn(1, 8, 2, 16)
+    with pytest.raises(flashport.UnsupportedError, match="sdpa: .*softcap"):
+        flashport.attention(q, q, q, softcap=1.0, backend="sdpa")
+    with flashport.use_backend("sdpa"), pytest.raises(flashport.UnsupportedError, match="lse"):
+        flashport.attention(q, q, q, return_lse=True)
+
+
+def test_sdpa_not_auto_selected_on_cpu():
+    # CPU gets flashport's own blockwise path automatically; sdpa only when named.
+    from flashport import dispatch
+    assert dispatch.select(_spec()).name != "sdpa"
+    assert dispatch.select(_spec(), "sdpa").name == "sdpa"
+
+
+def test_sdpa_output_layout_and_no_nan_from_noncontiguous_inputs():
+    big = torch.randn(2, 20, 6, 24)
+    q, k, v = big[:, ::2, :4, :16], big[:, 1::2, 4:6, :16], big[:, 1::2, 4:6, 8:24]   # strided views
+    out = flashport.attention(q, k, v, causal=True, backend="sdpa")
+    ref = flashport.attention(q, k, v, causal=True, backend="reference")
+    assert out.shape == (2, 10, 4, 16) and out.is_contiguous()
+    torch.testing.assert_close(out, ref, atol=2e-6, rtol=1e-5)
+
+
+def test_sdpa_capabilities_are_honest():
+    info = {b.name: b for b in flashport.backends()}["sdpa"]
+    assert info.available
+    caps = info.capabilities
+    for feature in ("varlen", "kvcache", "dropout", "alibi", "softcap", "return_lse"):
+        assert caps[feature] is False
+    assert caps["bwd"] is True
