@@ -299,6 +299,7 @@ class _BlockwiseAttention(torch.autograd.Function):
         return out, lse.to(torch.float32)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, dout, dlse):
         q, k, v, out, lse = ctx.saved_tensors
         if dout is None and dlse is None:

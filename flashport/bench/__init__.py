@@ -32,6 +32,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-s", type=int, default=None, help="CPU job: largest sequence length")
     p.add_argument("--budget-s", type=float, default=170.0,
                    help="CPU job: wall-clock budget; sizes predicted to overrun it are reported as time-skipped")
+    p.add_argument("--threads", type=int, default=0,
+                   help="CPU job: torch threads per worker (default: torch's own, all cores); on a shared, busy "
+                        "machine 1 avoids OpenMP spin-wait stalls that swamp small tiled ops")
     p.add_argument("--tag", default="", help="suffix for the output file names")
 
 
@@ -51,13 +54,13 @@ def run(args: argparse.Namespace) -> int:
     device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
     suite = args.suite if args.suite != "auto" else ("standard" if device.type == "cuda" else "cpu")
     stem = f"bench_{suite}" + ("_quick" if args.quick else "") + (f"_{args.tag}" if args.tag else "")
-    t0 = time.perf_counter()
+    t0, load0 = time.perf_counter(), [round(x, 2) for x in os.getloadavg()]
     if suite == "cpu":
         from .cpu import run_cpu
         from .shapes import cpu_sizes
         sizes = cpu_sizes(args.quick, args.max_s)
         bar, tick = _progress(2 * len(sizes), "cpu: flashport vs naive")
-        entries = run_cpu(sizes, args.heads, tick, budget_s=args.budget_s)
+        entries = run_cpu(sizes, args.heads, tick, budget_s=args.budget_s, threads=args.threads)
         ceil = {}
         table = report.cpu_table(entries)
     else:
@@ -84,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if bar is not None:
         bar.close()
     doc = report.document(suite, device, entries, ceil, time.perf_counter() - t0)
+    doc["environment"]["loadavg_at_start"] = load0   # other work on the machine skews timings
     json_path, png_path = (os.path.join(args.out, stem + ext) for ext in (".json", ".png"))
     report.write_json(doc, json_path)
     (report.plot_cpu if suite == "cpu" else report.plot_gpu)(doc, png_path)

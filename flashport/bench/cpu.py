@@ -53,6 +53,8 @@ def worker(cfg: CpuConfig, out_path: str) -> dict:
 
     from .timing import cpu_median_s
 
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     scale = cfg.d ** -0.5
 
     def impl(q, k, v):
@@ -113,7 +115,8 @@ def _predict_s(last: dict | None, s: int) -> float:
     return max(t, min(2.0, 5 * t)) + _SPAWN_S
 
 
-def run_cpu(sizes, heads: int, tick, mem_fraction: float = 0.5, budget_s: float = 170.0) -> list[dict]:
+def run_cpu(sizes, heads: int, tick, mem_fraction: float = 0.5, budget_s: float = 170.0,
+            threads: int = 0) -> list[dict]:
     """Every (S, impl) in a fresh worker.  A configuration whose predicted time would overrun the
     job's wall-clock budget is recorded as "time-skipped" (with the prediction), never dropped."""
     import psutil
@@ -125,7 +128,7 @@ def run_cpu(sizes, heads: int, tick, mem_fraction: float = 0.5, budget_s: float 
         for s in sizes:
             outs = {}
             for impl in ("flashport", "naive"):
-                cfg = CpuConfig(s=s, impl=impl, h=heads)
+                cfg = CpuConfig(s=s, impl=impl, h=heads, threads=threads)
                 e = {"suite": "cpu", "impl": impl, "s": s, "config": asdict(cfg),
                      "flops": 4.0 * cfg.b * cfg.h * s * s * cfg.d}
                 budget = psutil.virtual_memory().available * mem_fraction

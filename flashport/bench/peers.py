@@ -90,7 +90,10 @@ def _block_mask(shape: Shape, device):
     key = (shape.sq, shape.sk, str(device))
     if key not in _block_masks:
         from torch.nn.attention.flex_attention import create_block_mask
-        _block_masks[key] = create_block_mask(_causal_mod, None, None, shape.sq, shape.sk, device=device)
+        # Uncompiled, create_block_mask evaluates the mask on all Sq x Sk pairs at once (128 GiB at 131k);
+        # compiled, it works block by block.
+        big = shape.sq * shape.sk > 2**30
+        _block_masks[key] = create_block_mask(_causal_mod, None, None, shape.sq, shape.sk, device=device, _compile=big)
     return _block_masks[key]
 
 

@@ -28,7 +28,8 @@ def environment(device) -> dict:
     import flashport
     env = {"python": platform.python_version(), "torch": torch.__version__, "flashport": flashport.__version__,
            "platform": platform.platform(), "cpu": cpu_name(), "cpu_count": os.cpu_count(),
-           "torch_threads": torch.get_num_threads(), "device": str(device)}
+           "torch_threads": torch.get_num_threads(), "device": str(device),
+           "loadavg_at_end": [round(x, 2) for x in os.getloadavg()]}
     try:
         import triton
         env["triton"] = triton.__version__
@@ -128,10 +129,10 @@ def plot_cpu(doc: dict, path: str) -> None:
         ax.set_title(title)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend()
-    e0 = next((e for e in entries), {"config": {}})
-    c = e0.get("config", {})
+    c = next((e for e in entries), {}).get("config", {})
+    threads = next((e["threads"] for e in entries if "threads" in e), "?")
     fig.suptitle(f"flashport vs naive attention, fp32 fwd, B={c.get('b')} H={c.get('h')} D={c.get('d')} -- "
-                 f"{doc['environment']['card']} ({doc['environment']['torch_threads']} threads)", fontsize=10)
+                 f"{doc['environment']['card']} ({threads} threads)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -106,6 +106,7 @@ class CpuConfig:
     h: int = 1
     d: int = 64
     fp64_check_max_s: int = 4096   # error against float64 exact math for S up to this
+    threads: int = 0               # torch intra-op threads in the worker; 0 = torch's default (all cores)
 
     def naive_peak_bytes(self) -> int:
         """Scores and their softmax are both alive at once: 2 x B*H*S*S float32."""

@@ -19,7 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LOG2E_K, KernelArgs, dropout_keep, load_tile, score_log2, seq_bounds
+from .common import (LOG2E_K, KernelArgs, dropout_keep, key_tiles, load_tile, mask_scores, query_tiles,
+                     seq_bounds, transform_log2)
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
 
 
@@ -50,13 +51,14 @@ def _bwd_preprocess(Out, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, stride
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_dos, lo, hi, offs_n, sq, sk,
-                diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
-                drop_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
-                BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_dos, lo, hi, full_lo, full_hi,
+                offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
+                drop_threshold, drop_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+                BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                 SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """Accumulate dK^T-side sums over Q tiles [lo, hi) of one query head; q_ptr / do_ptr at row lo,
-    lse_ptr / delta_ptr at row 0.  Works on transposed scores s^T [BLOCK_N, BLOCK_M]."""
+    """Accumulate dK, dV over Q tiles [lo, hi) of one query head; q_ptr / do_ptr at row lo, lse_ptr /
+    delta_ptr at row 0; Q tiles in [full_lo, full_hi) need no mask (MASK == 2).  Works on
+    transposed scores s^T [BLOCK_N, BLOCK_M]."""
     offs_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -64,9 +66,9 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
     do_offs = offs_mb[:, None] * stride_dos + offs_dv[None, :]
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_mb
-        q = load_tile(q_ptr + q_offs, offs_m[:, None], sq, offs_d[None, :], D, MASK, D != BLOCK_D)
-        do = load_tile(do_ptr + do_offs, offs_m[:, None], sq, offs_dv[None, :], DV, MASK, DV != BLOCK_DV)
-        if MASK:
+        q = load_tile(q_ptr + q_offs, offs_m[:, None], sq, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
+        do = load_tile(do_ptr + do_offs, offs_m[:, None], sq, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
+        if MASK != 0:
             # Rows past Sq get lse2 = +inf (as rows without keys already have): P = 0, no NaN.
             lse2 = tl.load(lse_ptr + offs_m, mask=offs_m < sq, other=float("inf"))
             delta = tl.load(delta_ptr + offs_m, mask=offs_m < sq, other=0.0)
@@ -74,8 +76,10 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
             lse2 = tl.load(lse_ptr + offs_m)
             delta = tl.load(delta_ptr + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
-        s_t, t_t = score_log2(qk_t, offs_m[None, :], offs_n[:, None], sk, diag, left, right, qk_scale, cap_in,
-                              cap_out, slope2, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI)
+        s_t, t_t = transform_log2(qk_t, offs_m[None, :], offs_n[:, None], diag, qk_scale, cap_in, cap_out, slope2,
+                              SOFTCAP, ALIBI)
+        s_t = mask_scores(s_t, offs_m[None, :], offs_n[:, None], sk, diag, left, right,
+                          (start_m < full_lo) | (start_m >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
         p_t = tl.exp2(s_t - lse2[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
         if DROPOUT:
@@ -103,7 +107,7 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
               sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              PRECISION: tl.constexpr):
+              PRECISION: tl.constexpr, SPLIT: tl.constexpr):
     pid_n = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -123,25 +127,8 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
     v = load_tile(V + b64 * stride_vb + kvh64 * stride_vh + row0 * stride_vs + offs_nb[:, None] * stride_vs
                   + offs_dv[None, :], offs_n[:, None], sk, offs_dv[None, :], DV, True, DV != BLOCK_DV)
 
-    # Query rows that see some key of this tile: [lo, hi) (flashport.masks.query_range).
-    n_end = tl.minimum(start_n + BLOCK_N, sk)
-    lo = 0
-    hi = sq
-    if HAS_RIGHT:
-        lo = tl.maximum(start_n - diag - right, 0)
-    if HAS_LEFT:
-        hi = tl.minimum(n_end + left - diag, sq)
-    lo = (lo // BLOCK_M) * BLOCK_M
-    # Full Q tiles [full_lo, full_hi): all rows valid and every row sees every key of a complete tile.
-    full_lo = lo
-    full_hi = sq
-    if HAS_RIGHT:
-        full_lo = tl.maximum(tl.cdiv(tl.maximum(n_end - 1 - diag - right, 0), BLOCK_M) * BLOCK_M, lo)
-    if HAS_LEFT:
-        full_hi = tl.minimum(start_n - diag + left + 1, sq)
-    full_hi = (tl.maximum(full_hi, 0) // BLOCK_M) * BLOCK_M
-    full_lo = tl.where(n_end - start_n < BLOCK_N, hi, tl.minimum(full_lo, hi))
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    # Q tiles with a row that sees this key tile [lo, hi), of which [full_lo, full_hi) need no mask.
+    lo, hi, full_lo, full_hi = query_tiles(start_n, sq, sk, diag, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     seed = 0
     rng_offset = 0
@@ -161,23 +148,30 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
         lse_ptr = Lse + b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64)
         delta_ptr = Delta + b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64)
         bh = b * n_heads + h
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_ptr + tl.cast(lo, tl.int64) * stride_qs, do_ptr + tl.cast(lo, tl.int64) * stride_dos,
-            lse_ptr, delta_ptr, stride_qs, stride_dos, lo, full_lo, offs_n, sq, sk, diag, left, right, qk_scale,
-            cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale, D, DV, BLOCK_M, BLOCK_D,
-            BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_ptr + tl.cast(full_lo, tl.int64) * stride_qs,
-            do_ptr + tl.cast(full_lo, tl.int64) * stride_dos, lse_ptr, delta_ptr, stride_qs, stride_dos, full_lo,
-            full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
-            drop_threshold, drop_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-            ALIBI, DROPOUT, PRECISION)
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_ptr + tl.cast(full_hi, tl.int64) * stride_qs,
-            do_ptr + tl.cast(full_hi, tl.int64) * stride_dos, lse_ptr, delta_ptr, stride_qs, stride_dos, full_hi,
-            hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
-            drop_threshold, drop_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-            ALIBI, DROPOUT, PRECISION)
+        if SPLIT:
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_ptr + tl.cast(lo, tl.int64) * stride_qs, do_ptr + tl.cast(lo, tl.int64) * stride_dos,
+                lse_ptr, delta_ptr, stride_qs, stride_dos, lo, full_lo, full_lo, full_hi, offs_n, sq, sk, diag, left,
+                right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale, D, DV,
+                BLOCK_M, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_ptr + tl.cast(full_lo, tl.int64) * stride_qs,
+                do_ptr + tl.cast(full_lo, tl.int64) * stride_dos, lse_ptr, delta_ptr, stride_qs, stride_dos, full_lo,
+                full_hi, full_lo, full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed,
+                rng_offset, bh, drop_threshold, drop_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, 0, HAS_LEFT, HAS_RIGHT,
+                SOFTCAP, ALIBI, DROPOUT, PRECISION)
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_ptr + tl.cast(full_hi, tl.int64) * stride_qs,
+                do_ptr + tl.cast(full_hi, tl.int64) * stride_dos, lse_ptr, delta_ptr, stride_qs, stride_dos, full_hi,
+                hi, full_lo, full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed,
+                rng_offset, bh, drop_threshold, drop_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT,
+                SOFTCAP, ALIBI, DROPOUT, PRECISION)
+        else:
+            dk, dv = _dkdv_tiles(
+                dk, dv, k, v, q_ptr + tl.cast(lo, tl.int64) * stride_qs, do_ptr + tl.cast(lo, tl.int64) * stride_dos,
+                lse_ptr, delta_ptr, stride_qs, stride_dos, lo, hi, full_lo, full_hi, offs_n, sq, sk, diag, left, right,
+                qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale, D, DV, BLOCK_M,
+                BLOCK_D, BLOCK_DV, 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
 
     row_mask = offs_n[:, None] < sk
     dk_ptr = DK + b64 * stride_dkb + kvh64 * stride_dkh + row0 * stride_dks
@@ -189,12 +183,14 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
 
 
 @triton.jit
-def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, offs_m, sk, diag, left, right,
+def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, full_lo, full_hi, offs_m, sk, diag,
+              left, right,
               qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """Accumulate dS K over key tiles [lo, hi); k_ptr / v_ptr at key row lo."""
+    """Accumulate dS K over key tiles [lo, hi); k_ptr / v_ptr at key row lo; key tiles in
+    [full_lo, full_hi) need no mask (MASK == 2)."""
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -202,11 +198,13 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi
     v_offs = offs_nb[:, None] * stride_vs + offs_dv[None, :]
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
-        k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK, D != BLOCK_D)
-        v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK, DV != BLOCK_DV)
+        k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
+        v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s, t = score_log2(qk, offs_m[:, None], offs_n[None, :], sk, diag, left, right, qk_scale, cap_in, cap_out,
-                          slope2, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI)
+        s, t = transform_log2(qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP,
+                          ALIBI)
+        s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right,
+                        (start_n < full_lo) | (start_n >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
         if DROPOUT:
@@ -229,7 +227,7 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
             drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
             HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-            PRECISION: tl.constexpr):
+            PRECISION: tl.constexpr, SPLIT: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -254,24 +252,8 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
     lse2 = tl.load(Lse + row_stats + offs_m, mask=offs_m < sq, other=float("inf"))
     delta = tl.load(Delta + row_stats + offs_m, mask=offs_m < sq, other=0.0)
 
-    # Same key ranges as the forward (masks.key_range, then the full-tile split).
-    m_end = tl.minimum(start_m + BLOCK_M, sq)
-    lo = 0
-    hi = sk
-    if HAS_LEFT:
-        lo = tl.maximum(start_m + diag - left, 0)
-    if HAS_RIGHT:
-        hi = tl.minimum(m_end + diag + right, sk)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    full_lo = lo
-    full_hi = sk
-    if HAS_LEFT:
-        full_lo = tl.maximum(tl.cdiv(tl.maximum(m_end - 1 + diag - left, 0), BLOCK_N) * BLOCK_N, lo)
-    if HAS_RIGHT:
-        full_hi = tl.minimum(start_m + diag + right + 1, sk)
-    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
-    full_lo = tl.minimum(full_lo, hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    # Same key tiles as the forward.
+    lo, hi, full_lo, full_hi = key_tiles(start_m, sq, sk, diag, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     slope2 = 0.0
     if ALIBI:
@@ -286,20 +268,28 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
     k_base = K + b64 * stride_kb + kvh64 * stride_kh + k0 * stride_ks
     v_base = V + b64 * stride_vb + kvh64 * stride_vh + k0 * stride_vs
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base + tl.cast(lo, tl.int64) * stride_ks,
-                   v_base + tl.cast(lo, tl.int64) * stride_vs, stride_ks, stride_vs, lo, full_lo, offs_m, sk, diag,
-                   left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale,
-                   D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base + tl.cast(full_lo, tl.int64) * stride_ks,
-                   v_base + tl.cast(full_lo, tl.int64) * stride_vs, stride_ks, stride_vs, full_lo, full_hi, offs_m,
-                   sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
-                   drop_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                   DROPOUT, PRECISION)
-    dq = _dq_tiles(dq, q, do, lse2, delta, k_base + tl.cast(full_hi, tl.int64) * stride_ks,
-                   v_base + tl.cast(full_hi, tl.int64) * stride_vs, stride_ks, stride_vs, full_hi, hi, offs_m, sk,
-                   diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
-                   drop_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                   DROPOUT, PRECISION)
+    if SPLIT:
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_base + tl.cast(lo, tl.int64) * stride_ks,
+                       v_base + tl.cast(lo, tl.int64) * stride_vs, stride_ks, stride_vs, lo, full_lo, full_lo, full_hi,
+                       offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
+                       drop_threshold, drop_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                       ALIBI, DROPOUT, PRECISION)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_base + tl.cast(full_lo, tl.int64) * stride_ks,
+                       v_base + tl.cast(full_lo, tl.int64) * stride_vs, stride_ks, stride_vs, full_lo, full_hi, full_lo,
+                       full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
+                       drop_threshold, drop_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, 0, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                       ALIBI, DROPOUT, PRECISION)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_base + tl.cast(full_hi, tl.int64) * stride_ks,
+                       v_base + tl.cast(full_hi, tl.int64) * stride_vs, stride_ks, stride_vs, full_hi, hi, full_lo,
+                       full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
+                       drop_threshold, drop_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                       ALIBI, DROPOUT, PRECISION)
+    else:
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_base + tl.cast(lo, tl.int64) * stride_ks,
+                       v_base + tl.cast(lo, tl.int64) * stride_vs, stride_ks, stride_vs, lo, hi, full_lo, full_hi,
+                       offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
+                       drop_threshold, drop_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, 2, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                       ALIBI, DROPOUT, PRECISION)
     dq_ptr = DQ + b64 * stride_dqb + h64 * stride_dqh + row0 * stride_dqs
     tl.store(dq_ptr + offs_mb[:, None] * stride_dqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < sq) & (offs_d[None, :] < D))
@@ -340,15 +330,15 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
         grid = (triton.cdiv(spec.seqlen_k, cfg.block_n), hkv, spec.batch)
         _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk, dv, a.slopes, a.cu_q, a.cu_k, a.rng,
                         *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk), *a.strides(dv),
-                        *l_strides, *common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages, **a.constexprs)
+                        *l_strides, *common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
 
     def launch_dq(cfg):
         grid = (triton.cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
         _bwd_dq[grid](q, k, v, do, lse2, delta, dq, a.slopes, a.cu_q, a.cu_k, a.rng,
                       *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dq), *l_strides, *common,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                      **a.constexprs)
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, num_warps=cfg.num_warps,
+                      num_stages=cfg.num_stages, **a.constexprs)
 
     launch_with_fallback("bwd_dkdv", spec, q.device, launch_dkdv, configs.get("bwd_dkdv"))
     launch_with_fallback("bwd_dq", spec, q.device, launch_dq, configs.get("bwd_dq"))

@@ -8,7 +8,7 @@ only the boundary tiles pay for the mask: the loop runs masked tiles, then full 
 mask, then masked tiles again.
 
 Equivalent PyTorch math (per batch b, query head h, kv head h // G):
-    p = softmax(score(q[b, :, h] @ k[b, :, h // G].T), -1)     (score: see common.score_log2)
+    p = softmax(score(q[b, :, h] @ k[b, :, h // G].T), -1)     (score: common.transform_log2, mask_scores)
     out[b, :, h] = (p * keep / (1 - dropout_p)) @ v[b, :, h // G]
     lse[b, h] = logsumexp(score, -1)                           (natural log, float32; -inf if no key)
 """
@@ -18,17 +18,19 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import LN2_K, LOG2E_K, KernelArgs, dropout_keep, load_tile, score_log2, seq_bounds
+from .common import (LN2_K, LOG2E_K, KernelArgs, dropout_keep, key_tiles, load_tile, mask_scores, seq_bounds,
+                     transform_log2)
 from .tuning import launch_with_fallback
 
 
 @triton.jit
-def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, offs_m, sk, diag, left, right,
-               qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
+def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, full_lo, full_hi, offs_m, sk, diag,
+               left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
-    """Key tiles [lo, hi) (lo a multiple of BLOCK_N); k_ptr / v_ptr point at key row lo."""
+    """Key tiles [lo, hi) (lo a multiple of BLOCK_N); k_ptr / v_ptr point at key row lo.  Tiles in
+    [full_lo, full_hi) need no mask (used when MASK == 2, see common.mask_scores)."""
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -36,12 +38,14 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, off
     v_offs = offs_nb[:, None] * stride_vs + offs_dv[None, :]
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
-        k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK, D != BLOCK_D)
+        k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s, t = score_log2(qk, offs_m[:, None], offs_n[None, :], sk, diag, left, right, qk_scale, cap_in,
-                          cap_out, slope2, MASK, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI)
+        s, t = transform_log2(qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP,
+                          ALIBI)
+        s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right,
+                        (start_n < full_lo) | (start_n >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
         m_ij = tl.maximum(m_i, tl.max(s, 1))
-        if MASK:
+        if MASK != 0:
             # A row that has seen no visible key yet has m_ij = -inf; a finite stand-in keeps
             # exp2(-inf - m) = 0 instead of NaN.
             m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)
@@ -52,7 +56,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, off
             # l_i normalises the undropped probabilities; kept ones are rescaled in the epilogue.
             p = tl.where(dropout_keep(seed, rng_offset, bh, offs_m[:, None], offs_n[None, :], drop_threshold),
                          p, 0.0)
-        v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK, DV != BLOCK_DV)
+        v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
         m_i = m_ij
         k_ptr += BLOCK_N * stride_ks
@@ -68,7 +72,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              PRECISION: tl.constexpr):
+              PRECISION: tl.constexpr, SPLIT: tl.constexpr):
     # Heaviest Q tiles (largest row index: most keys under causal) are scheduled first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -90,25 +94,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     q = load_tile(q_ptr + offs_mb[:, None] * stride_qs + offs_d[None, :], offs_m[:, None], sq, offs_d[None, :], D,
                   True, D != BLOCK_D)
 
-    # Keys any row of this tile can see: [lo, hi) (flashport.masks.key_range).
-    m_end = tl.minimum(start_m + BLOCK_M, sq)
-    lo = 0
-    hi = sk
-    if HAS_LEFT:
-        lo = tl.maximum(start_m + diag - left, 0)
-    if HAS_RIGHT:
-        hi = tl.minimum(m_end + diag + right, sk)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    # Full tiles [full_lo, full_hi): every row of the tile sees every key, no mask needed.
-    full_lo = lo
-    full_hi = sk
-    if HAS_LEFT:
-        full_lo = tl.maximum(tl.cdiv(tl.maximum(m_end - 1 + diag - left, 0), BLOCK_N) * BLOCK_N, lo)
-    if HAS_RIGHT:
-        full_hi = tl.minimum(start_m + diag + right + 1, sk)
-    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
-    full_lo = tl.minimum(full_lo, hi)
-    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    # Key tiles some row sees [lo, hi), of which [full_lo, full_hi) need no mask.
+    lo, hi, full_lo, full_hi = key_tiles(start_m, sq, sk, diag, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
     slope2 = 0.0
     if ALIBI:
@@ -125,21 +112,28 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_base + tl.cast(lo, tl.int64) * stride_ks, v_base + tl.cast(lo, tl.int64) * stride_vs,
-        stride_ks, stride_vs, lo, full_lo, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2,
-        seed, rng_offset, bh, drop_threshold, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT,
-        SOFTCAP, ALIBI, DROPOUT, PRECISION)
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_base + tl.cast(full_lo, tl.int64) * stride_ks,
-        v_base + tl.cast(full_lo, tl.int64) * stride_vs, stride_ks, stride_vs, full_lo, full_hi, offs_m, sk, diag,
-        left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, D, DV, BLOCK_N,
-        BLOCK_D, BLOCK_DV, False, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
-    acc, l_i, m_i = _fwd_tiles(
-        acc, l_i, m_i, q, k_base + tl.cast(full_hi, tl.int64) * stride_ks,
-        v_base + tl.cast(full_hi, tl.int64) * stride_vs, stride_ks, stride_vs, full_hi, hi, offs_m, sk, diag,
-        left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, D, DV, BLOCK_N,
-        BLOCK_D, BLOCK_DV, True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+    if SPLIT:  # boundary tiles, full tiles without mask code, boundary tiles
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base + tl.cast(lo, tl.int64) * stride_ks, v_base + tl.cast(lo, tl.int64) * stride_vs,
+            stride_ks, stride_vs, lo, full_lo, full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in,
+            cap_out, slope2, seed, rng_offset, bh, drop_threshold, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT,
+            HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base + tl.cast(full_lo, tl.int64) * stride_ks,
+            v_base + tl.cast(full_lo, tl.int64) * stride_vs, stride_ks, stride_vs, full_lo, full_hi, full_lo, full_hi,
+            offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
+            D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base + tl.cast(full_hi, tl.int64) * stride_ks,
+            v_base + tl.cast(full_hi, tl.int64) * stride_vs, stride_ks, stride_vs, full_hi, hi, full_lo, full_hi,
+            offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
+            D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+    else:  # one loop; boundary tiles masked behind a run-time branch
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base + tl.cast(lo, tl.int64) * stride_ks, v_base + tl.cast(lo, tl.int64) * stride_vs,
+            stride_ks, stride_vs, lo, hi, full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out,
+            slope2, seed, rng_offset, bh, drop_threshold, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, 2, HAS_LEFT, HAS_RIGHT,
+            SOFTCAP, ALIBI, DROPOUT, PRECISION)
 
     # Epilogue: rows that saw no key (l_i = 0) get out = 0 and lse = -inf.
     empty = l_i == 0.0
@@ -190,8 +184,8 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
             *a.q_strides, *a.k_strides, *a.v_strides, *o_strides, *l_strides, a.slope_stride,
             a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,
             a.drop_threshold, a.drop_scale,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-            **a.constexprs)
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages, **a.constexprs)
 
     launch_with_fallback("fwd", spec, q.device, launch, config)
     return out, lse, lse2

@@ -3,7 +3,7 @@ transform (scale, softcap, ALiBi, visibility mask) and the dropout keep-mask.
 
 Scores live in the log2 domain inside the kernels: `s2 = s * log2(e)`, so the online softmax uses
 `exp2` and `softmax_scale * log2(e)` is folded into one multiply.  The equivalent PyTorch math of
-`score_log2` for one (query row i, key j) pair is
+`transform_log2` + `mask_scores` (together: `score_log2`) for one (query row i, key j) pair is
 
     s = scale * (q_i . k_j)
     s = softcap * tanh(s / softcap)              if softcap > 0
@@ -12,6 +12,11 @@ Scores live in the log2 domain inside the kernels: `s2 = s * log2(e)`, so the on
     s2 = s * log2(e)
 
 `dropout_keep` reproduces flashport.dropout.keep_mask bit for bit (tests check it).
+
+Tile loops take MASK in {0, 1, 2} (see `mask_scores`) and the kernels a SPLIT flag from the launch
+config: SPLIT runs boundary tiles and full tiles in separate loops (no mask code in the main
+loop), otherwise one loop masks boundary tiles behind a run-time branch (no pipeline restart
+between the loops, which costs most when a program sees few tiles, e.g. causal at S = 1024).
 """
 from __future__ import annotations
 
@@ -63,6 +68,61 @@ def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_
 
 
 @triton.jit
+def key_tiles(start_m, sq, sk, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Key tiles of the Q tile [start_m, start_m + BLOCK_M): (lo, hi, full_lo, full_hi).
+
+    [lo, hi) are the keys some row can see (flashport.masks.key_range), lo rounded down to a tile;
+    tiles in [full_lo, full_hi) are seen whole by every (valid) row: no mask needed there."""
+    m_end = tl.minimum(start_m + BLOCK_M, sq)
+    lo = 0
+    hi = sk
+    if HAS_LEFT:
+        lo = tl.maximum(start_m + diag - left, 0)
+    if HAS_RIGHT:
+        hi = tl.minimum(m_end + diag + right, sk)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    full_lo = lo
+    full_hi = sk
+    if HAS_LEFT:
+        full_lo = tl.maximum(tl.cdiv(tl.maximum(m_end - 1 + diag - left, 0), BLOCK_N) * BLOCK_N, lo)
+    if HAS_RIGHT:
+        full_hi = tl.minimum(start_m + diag + right + 1, sk)
+    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
+    full_lo = tl.minimum(full_lo, hi)
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
+def query_tiles(start_n, sq, sk, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Q tiles of the key tile [start_n, start_n + BLOCK_N): (lo, hi, full_lo, full_hi).
+
+    [lo, hi) are the rows that see some key of the tile (flashport.masks.query_range), lo rounded
+    down to a tile; Q tiles in [full_lo, full_hi) have only valid rows, each seeing every key of a
+    complete key tile: no mask needed there."""
+    n_end = tl.minimum(start_n + BLOCK_N, sk)
+    lo = 0
+    hi = sq
+    if HAS_RIGHT:
+        lo = tl.maximum(start_n - diag - right, 0)
+    if HAS_LEFT:
+        hi = tl.minimum(n_end + left - diag, sq)
+    lo = (lo // BLOCK_M) * BLOCK_M
+    full_lo = lo
+    full_hi = sq
+    if HAS_RIGHT:
+        full_lo = tl.maximum(tl.cdiv(tl.maximum(n_end - 1 - diag - right, 0), BLOCK_M) * BLOCK_M, lo)
+    if HAS_LEFT:
+        full_hi = tl.minimum(start_n - diag + left + 1, sq)
+    full_hi = (tl.maximum(full_hi, 0) // BLOCK_M) * BLOCK_M
+    full_lo = tl.where(n_end - start_n < BLOCK_N, hi, tl.minimum(full_lo, hi))
+    full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
+    return lo, hi, full_lo, full_hi
+
+
+@triton.jit
 def tanh(x):
     # 1 - 2 / (e^{2x} + 1): exact limits at both tails (e^{2x} -> inf gives 1, -> 0 gives -1) and it
     # runs in the interpreter, which has no libdevice.  Absolute error ~1 ulp of 1, which after the
@@ -82,14 +142,12 @@ def visible(i, j, sk, diag, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.c
 
 
 @triton.jit
-def score_log2(qk, i, j, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2,
-               MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
-    """Raw dot products qk -> (s2, t): final scores in the log2 domain (-inf where hidden) and, with
-    softcap, t = tanh(scale * qk / softcap) for the backward (else t is s2, unused).
+def transform_log2(qk, i, j, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """Raw dot products qk -> (s2, t): scores in the log2 domain before masking and, with softcap,
+    t = tanh(scale * qk / softcap) for the backward (else t is s2, unused).
 
     qk_scale = scale * log2(e); cap_in = scale / softcap; cap_out = softcap * log2(e);
-    slope2 = ALiBi slope * log2(e).  Only boundary tiles pass MASK=True."""
+    slope2 = ALiBi slope * log2(e)."""
     if SOFTCAP:
         t = tanh(qk * cap_in)
         s = t * cap_out
@@ -98,6 +156,30 @@ def score_log2(qk, i, j, sk, diag, left, right, qk_scale, cap_in, cap_out, slope
         t = s
     if ALIBI:
         s = s - slope2 * tl.abs(i + diag - j).to(tl.float32)
+    return s, t
+
+
+@triton.jit
+def mask_scores(s, i, j, sk, diag, left, right, boundary, MASK: tl.constexpr, HAS_LEFT: tl.constexpr,
+                HAS_RIGHT: tl.constexpr):
+    """-inf where key j is hidden from row i.  MASK 0: the tile is known fully visible (nothing to
+    do); 1: always mask; 2: mask only when the run-time flag `boundary` says the tile crosses the
+    window / causal diagonal / end of keys (one pipelined loop over all tiles, the branch uniform
+    across the program)."""
+    if MASK == 1:
+        s = tl.where(visible(i, j, sk, diag, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+    elif MASK == 2:
+        if boundary:
+            s = tl.where(visible(i, j, sk, diag, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
+    return s
+
+
+@triton.jit
+def score_log2(qk, i, j, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2,
+               MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+    """transform_log2 then, when MASK, the visibility mask: (s2 with -inf where hidden, t)."""
+    s, t = transform_log2(qk, i, j, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
     if MASK:
         s = tl.where(visible(i, j, sk, diag, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
     return s, t

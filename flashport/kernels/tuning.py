@@ -10,13 +10,15 @@
 
 Kernels: "fwd" (block_m = Q tile, block_n = K/V tile), "bwd_dkdv" (block_n = K/V tile it owns,
 block_m = Q tile it streams), "bwd_dq" (block_m = Q tile it owns, block_n = K/V tile it streams).
+`split` picks the loop structure: one pipelined loop with boundary tiles masked behind a run-time
+branch (default), or separate loops for boundary and full tiles.
 warp_specialize is never used: a probe on Triton 3.6 / H100 gave NaN with it.
 """
 from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -32,6 +34,7 @@ class KernelConfig:
     block_n: int
     num_warps: int
     num_stages: int
+    split: bool = False  # separate loops for boundary and full tiles (see kernels/common.py)
 
 
 INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1)
@@ -83,34 +86,39 @@ def _c(*rows):
     return [KernelConfig(*r) for r in rows]
 
 
-# (block_m, block_n, num_warps, num_stages), best first, for 16-bit inputs on sm80+ (H100 / A100).
-# Chosen from ptxas reports for sm_90a: none of the first entries spills registers.
-_FWD_64 = _c((128, 64, 4, 3), (128, 128, 8, 3), (64, 64, 4, 2), (64, 32, 4, 1))
-_DKDV_64 = _c((32, 128, 8, 3), (32, 64, 4, 3), (16, 128, 4, 3), (16, 32, 4, 1))
-_DQ_64 = _c((128, 32, 4, 3), (128, 64, 8, 3), (64, 32, 4, 2), (32, 16, 4, 1))
+# (block_m, block_n, num_warps, num_stages), best first, for 16-bit inputs on sm80+ (H100 / A100):
+# ordered by timings on an H200 (bf16, B = 8, S = 2048, causal and not; results/ has the logs), and
+# checked against ptxas reports for sm_90a (no register spills in the first entries).
+_FWD_64 = _c((128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 1))
+_DKDV_64 = _c((16, 128, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (16, 32, 4, 1))
+_DQ_64 = _c((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2), (32, 16, 4, 1))
 _DEFAULTS_16BIT = {
     "fwd": {16: _FWD_64, 32: _FWD_64, 64: _FWD_64,
-            128: _c((128, 64, 8, 3), (128, 64, 8, 2), (128, 128, 8, 3), (64, 64, 4, 2), (64, 32, 4, 1)),
-            256: _c((128, 32, 8, 2), (64, 32, 8, 2), (64, 32, 4, 1), (32, 32, 4, 1))},
+            128: _c((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 1)),
+            256: _c((128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 2), (64, 32, 4, 1),
+                    (32, 32, 4, 1))},
     "bwd_dkdv": {16: _DKDV_64, 32: _DKDV_64, 64: _DKDV_64,
-                 128: _c((32, 64, 8, 2), (16, 128, 8, 2), (32, 128, 8, 3), (16, 32, 4, 1)),
-                 256: _c((32, 32, 8, 1), (64, 32, 8, 1), (16, 32, 4, 2), (16, 32, 4, 1))},
+                 128: _c((32, 128, 8, 3), (64, 128, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (16, 32, 4, 1)),
+                 256: _c((32, 64, 8, 1), (32, 64, 8, 2), (64, 32, 8, 1), (16, 64, 8, 2), (32, 32, 8, 1),
+                         (16, 32, 4, 1))},
     "bwd_dq": {16: _DQ_64, 32: _DQ_64, 64: _DQ_64,
-               128: _c((128, 32, 8, 3), (128, 64, 8, 3), (64, 64, 8, 2), (64, 32, 4, 2), (32, 16, 4, 1)),
-               256: _c((64, 32, 8, 2), (32, 32, 4, 2), (16, 16, 4, 1))},
+               128: _c((128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 2), (64, 32, 4, 2), (32, 16, 4, 1)),
+               256: _c((128, 32, 8, 2), (128, 16, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2), (16, 16, 4, 1))},
 }
 # fp32 with IEEE dots runs on FMA units: small tiles keep the fp32 operands within registers.
 _DEFAULTS_FP32 = {
-    "fwd": _c((64, 32, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
-    "bwd_dkdv": _c((32, 64, 4, 2), (16, 32, 4, 1), (16, 16, 4, 1)),
-    "bwd_dq": _c((64, 32, 4, 2), (32, 16, 4, 1), (16, 16, 4, 1)),
+    "fwd": _c((64, 64, 8, 1), (64, 32, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
+    "bwd_dkdv": _c((32, 64, 8, 1), (32, 32, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)),
+    "bwd_dq": _c((64, 32, 8, 1), (32, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1)),
 }
 
 
-def default_configs(kernel: str, bucket: int, dtype: torch.dtype) -> list[KernelConfig]:
-    if dtype == torch.float32:
-        return list(_DEFAULTS_FP32[kernel])
-    return list(_DEFAULTS_16BIT[kernel][bucket])
+def default_configs(kernel: str, bucket: int, dtype: torch.dtype, split_variants: int = 0,
+                    limit: Optional[int] = None) -> list[KernelConfig]:
+    """Default candidates, best first (the first `limit`); split_variants adds the split-loop
+    version of the first ones."""
+    base = list(_DEFAULTS_FP32[kernel] if dtype == torch.float32 else _DEFAULTS_16BIT[kernel][bucket])[:limit]
+    return base + [replace(c, split=True) for c in base[:split_variants]]
 
 
 # ----------------------------------------------------------------------------- shared memory
@@ -170,6 +178,9 @@ def launch_with_fallback(kernel: str, spec, device: torch.device, launch: Callab
     if config is not None:
         launch(config)
         return config
+    if device.type != "cuda":
+        launch(INTERPRETER_CONFIG)
+        return INTERPRETER_CONFIG
     key = (kernel, str(device), head_bucket(spec), spec.dtype, mask_key(spec))
     if key in _chosen:
         launch(_chosen[key])
@@ -193,7 +204,8 @@ def autotune(shapes, *, kernels=KERNELS, dtypes=(torch.bfloat16,), configs: Opti
     """Time candidate configs on the current GPU and store the fastest per key in the JSON table.
 
     shapes: iterable of (B, S, H, D, causal).  configs: {kernel: {bucket: [KernelConfig]}} overriding
-    the candidate lists (default: every default config for that bucket).  Returns {key: (cfg, ms)}.
+    the candidate lists (default: the first four default configs for that bucket and the split-loop
+    versions of the first two).  Returns {key: (cfg, ms)}.
     Each candidate is checked against the first one's output, so a config that computes garbage
     (NaN, a miscompile) is never stored."""
     import triton.testing
@@ -212,7 +224,7 @@ def autotune(shapes, *, kernels=KERNELS, dtypes=(torch.bfloat16,), configs: Opti
             out, _, lse2 = attn_fwd.forward(spec, q, k, v)
             for kernel in kernels:
                 bucket = head_bucket(spec)
-                cands = (configs or {}).get(kernel, {}).get(bucket) or default_configs(kernel, bucket, dtype)
+                cands = (configs or {}).get(kernel, {}).get(bucket) or default_configs(kernel, bucket, dtype, 2, 4)
                 key = table_key(gpu_name(dev), kernel, bucket, dtype_key(dtype), mask_key(spec))
                 ref = None
                 for cfg in cands:

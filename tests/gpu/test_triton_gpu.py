@@ -111,7 +111,8 @@ def test_int64_offsets_past_2_31_elements():
     v = torch.randn(1, s, 1, d, device=DEV, dtype=torch.bfloat16, generator=g)
     out, lse = flashport.attention(q, k, v, causal=True, window_size=(255, 0), return_lse=True, backend="triton")
     for start in (0, s - 700):  # first rows and the rows past element 2**31
-        qs, ks, vs = q[:, start:start + 700], k[:, max(start - 255, 0):start + 700], v[:, max(start - 255, 0):start + 700]
+        k0 = max(start - 255, 0)
+        qs, ks, vs = q[:, start:start + 700], k[:, k0:start + 700], v[:, k0:start + 700]
         kw = dict(scale=d ** -0.5, left=255, right=0)
         ref, ref_lse = materialized_attention(qs, ks, vs, **kw)
         low, low_lse = materialized_attention(qs, ks, vs, compute_dtype=torch.bfloat16, **kw)

@@ -67,6 +67,26 @@ def test_windows(sq, sk, window):
     check_dense("triton", Case(b=1, sq=sq, sk=sk, hq=1, hkv=1, d=16, window=window))
 
 
+SPLIT_CASES = [Case(b=1, sq=33, sk=47, hq=2, hkv=1, d=16, window=(5, 9)),
+               Case(b=2, sq=40, sk=21, hq=2, hkv=2, d=24, causal=True, softcap=3.0, alibi="head"),
+               Case(b=1, sq=17, sk=50, hq=3, hkv=1, d=16, window=(-1, 3), noncontig=True)]
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=str)
+def test_split_loop_variant(case, monkeypatch):
+    """The other loop structure (separate boundary / full tile loops, KernelConfig.split)."""
+    from flashport.kernels import tuning
+    monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", tuning.KernelConfig(16, 16, 4, 1, split=True))
+    check_dense("triton", case)
+
+
+def test_split_loop_variant_varlen(monkeypatch):
+    from flashport.kernels import tuning
+    monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", tuning.KernelConfig(16, 16, 4, 1, split=True))
+    r = check_case("triton", VARLEN[1], torch.float32, "cpu")
+    assert r.status == "PASS" and "dq dk dv" in r.checked, r
+
+
 def test_gqa_group_reduction_and_causal_fold():
     check_dense("triton", Case(b=1, sq=20, sk=45, hq=6, hkv=2, d=16, causal=True, window=(7, -1)))
 
@@ -249,3 +269,17 @@ def test_cpu_needs_interpreter(monkeypatch):
                       window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False,
                       return_lse=False)[0]
     assert any("TRITON_INTERPRET" in r for r in TritonBackend().supports(spec))
+
+
+def test_shipped_config_table_is_valid():
+    """flashport/configs/triton_configs.json parses into configs with tile sizes tl.dot accepts."""
+    from flashport.kernels import tuning
+    table = tuning._load_table()
+    assert table, "no tuned configs shipped"
+    for key, cfg in table.items():
+        gpu, kernel, bucket, dtype, mask = key.split("|")
+        assert kernel in tuning.KERNELS and mask in ("full", "causal", "local") and bucket[0] == "d", key
+        assert dtype in ("fp16", "bf16", "fp32"), key
+        for n in (cfg.block_m, cfg.block_n):
+            assert n >= 16 and n & (n - 1) == 0, key
+        assert cfg.num_warps in (4, 8) and 1 <= cfg.num_stages <= 4, key
