@@ -18,7 +18,10 @@ import torch
 
 MAX_SPLITS = 128
 INTERPRETER_SMS = 2          # a tiny "GPU" so the interpreter tests exercise splitting
-WAVES = 2                    # programs per SM we aim for (flash-decoding: >= ~2 waves)
+# Programs per SM we aim for.  On the H200 (results/bench_decode.json) 512 programs of 4096 keys
+# read K/V at 87-97% of copy bandwidth, while 2 waves (256 programs at 16 x 8192) reached only 32-36%:
+# a decode program is latency-bound on its own loop, so more of them must be in flight per SM.
+WAVES = 4
 MIN_TILES_PER_SPLIT = 2      # on a GPU each split streams at least this many BLOCK_N tiles
 
 

@@ -248,7 +248,7 @@ def test_supports_reasons(monkeypatch):
 
 
 def test_split_heuristic():
-    # One GQA group over a long cache on a 132-SM GPU: split until ~2 waves, >= 2 tiles per split.
+    # One GQA group over a long cache on a 132-SM GPU: split until the waves fill, >= 2 tiles per split.
     s = choose_num_splits(programs=8, n_tiles=128, sms=132)
     assert 16 <= s <= 64
     assert choose_num_splits(programs=8, n_tiles=6, sms=132) <= 3          # capped by the tiles
