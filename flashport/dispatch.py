@@ -110,7 +110,11 @@ def select(spec: AttnSpec, backend: str | None = None) -> Backend:
         return b
     tried = []
     for b in _REGISTRY.values():
-        if not b.auto or (b.auto_devices and spec.device.type not in b.auto_devices):
+        if not b.auto:
+            tried.append(f"  - {b.name}: never chosen automatically (name it to use it)")
+            continue
+        if b.auto_devices and spec.device.type not in b.auto_devices:
+            tried.append(f"  - {b.name}: not chosen automatically on {spec.device.type} (name it to use it)")
             continue
         reasons = _reasons(b, spec)
         if reasons:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from numbers import Real
+from numbers import Integral, Real
 from typing import Optional
 
 import torch
@@ -105,6 +105,17 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 or x.numel() == 0 else x.contiguous()
 
 
+def _is_int(x) -> bool:
+    # Python and NumPy integers (a `max_seqlen` computed with NumPy is still an int); bool is not one.
+    return isinstance(x, Integral) and not isinstance(x, bool)
+
+
+def _index(x: torch.Tensor) -> torch.Tensor:
+    # cu_seqlens, cache_seqlens and block_table are read by kernels with unit stride along their rows
+    # (a view such as cu[::2] would be read wrongly); a no-op for the usual contiguous tensor.
+    return x.contiguous()
+
+
 def _bool(x, name: str) -> bool:
     if not isinstance(x, bool):
         raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
@@ -148,7 +159,7 @@ def _window(window_size, causal: bool) -> tuple[int, int]:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
     left, right = window_size
     for w in (left, right):
-        if isinstance(w, bool) or not isinstance(w, int):
+        if not _is_int(w):
             raise TypeError(f"window_size entries must be ints, got {window_size!r}")
         if w < -1:
             raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
@@ -192,11 +203,11 @@ def _alibi(alibi_slopes, batch: int, heads_q: int, device) -> Optional[str]:
 
 
 def _int_arg(x, name: str) -> int:
-    if isinstance(x, bool) or not isinstance(x, int):
+    if not _is_int(x):
         raise TypeError(f"{name} must be an int, got {type(x).__name__}")
     if x < 0:
         raise ValueError(f"{name} must be >= 0, got {x}")
-    return x
+    return int(x)
 
 
 def _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, deterministic,
@@ -283,7 +294,8 @@ def varlen_spec(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                     heads_q=hq, heads_kv=k.shape[1], head_dim=q.shape[-1], head_dim_v=v.shape[-1],
                     dtype=q.dtype, device=q.device, needs_grad=_needs_grad(q, k, v), **opts)
     inputs = AttnInputs(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
-                        alibi_slopes=alibi_slopes, cu_seqlens_q=cu_seqlens_q, cu_seqlens_k=cu_seqlens_k)
+                        alibi_slopes=alibi_slopes, cu_seqlens_q=_index(cu_seqlens_q),
+                        cu_seqlens_k=_index(cu_seqlens_k))
     return spec, inputs
 
 
@@ -311,6 +323,7 @@ def kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causa
             raise ValueError(f"block_table must be [B={b}, max_blocks], got {tuple(block_table.shape)}")
         if block_table.device != q.device:
             raise ValueError(f"block_table must be on q's device {q.device}, got {block_table.device}")
+        block_table = _index(block_table)
         page = k_cache.shape[1]
         capacity = block_table.shape[1] * page
         if content_checks_enabled(q.device) and block_table.numel():
@@ -348,8 +361,8 @@ def kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causa
     if cache_seqlens is None:
         seqlens = None
     else:
-        if isinstance(cache_seqlens, int) and not isinstance(cache_seqlens, bool):
-            cache_seqlens = torch.full((b,), cache_seqlens, dtype=torch.int32, device=q.device)
+        if _is_int(cache_seqlens):
+            cache_seqlens = torch.full((b,), int(cache_seqlens), dtype=torch.int32, device=q.device)
         _tensor(cache_seqlens, "cache_seqlens")
         if cache_seqlens.dtype != torch.int32:
             raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
@@ -357,6 +370,7 @@ def kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causa
             raise ValueError(f"cache_seqlens must be [B={b}], got {tuple(cache_seqlens.shape)}")
         if cache_seqlens.device != q.device:
             raise ValueError(f"cache_seqlens must be on q's device {q.device}")
+        cache_seqlens = _index(cache_seqlens)
         if content_checks_enabled(q.device):
             cs = cache_seqlens.detach().cpu()
             if cs.numel() and (cs.min().item() < 0 or cs.max().item() + s_new > capacity):

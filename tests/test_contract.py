@@ -226,3 +226,39 @@ def test_env_var_is_read_at_each_call(monkeypatch):
         attn()
     monkeypatch.setenv("FLASHPORT_BACKEND", "reference")
     assert torch.isfinite(attn()).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "blockwise"])
+def test_gradients_only_for_q_k_v(backend):
+    # DESIGN: "gradients for q, k, v (and none for the rest)": ALiBi slopes that happen to require
+    # grad (e.g. a learnable parameter) must not receive one.
+    t = {n: x.requires_grad_() for n, x in qkv().items()}
+    slopes = torch.rand(B, HQ, requires_grad=True)
+    flashport.attention(**t, alibi_slopes=slopes, causal=True, backend=backend).sum().backward()
+    assert all(x.grad is not None for x in t.values())
+    assert slopes.grad is None
+
+
+def test_numpy_integers_are_ints():
+    np = pytest.importorskip("numpy")
+    torch.manual_seed(0)
+    want = varlen(mq=3, mk=4, window_size=(2, 0), backend="reference")
+    torch.manual_seed(0)
+    got = varlen(mq=np.int64(3), mk=np.int32(4), window_size=(np.int64(2), 0), backend="reference")
+    assert torch.equal(got, want)
+    kc, vc = torch.randn(B, 8, HKV, D), torch.randn(B, 8, HKV, D)
+    q = torch.randn(B, 1, HQ, D)
+    want = flashport.attention_with_kvcache(q, kc, vc, cache_seqlens=3, backend="reference")
+    got = flashport.attention_with_kvcache(q, kc, vc, cache_seqlens=np.int64(3), backend="reference")
+    assert torch.equal(got, want)
+
+
+def test_auto_refusal_lists_every_backend(monkeypatch):
+    from flashport import dispatch
+    monkeypatch.delenv("FLASHPORT_BACKEND", raising=False)
+    monkeypatch.setattr(dispatch._REGISTRY["blockwise"], "supports", lambda spec: ["pretend reason"])
+    with pytest.raises(UnsupportedError) as info:
+        attn()
+    for name in dispatch._REGISTRY:  # those skipped by the auto policy too, each with why
+        assert f"- {name}:" in str(info.value), name
+    assert "pretend reason" in str(info.value)

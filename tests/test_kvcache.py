@@ -157,6 +157,10 @@ def test_rejected_calls_write_nothing(backend):
         flashport.attention_with_kvcache(q, kc, vc, k_new, v_new, block_table=table, backend="no-such-backend",
                                          cache_seqlens=torch.tensor([0, 0], dtype=torch.int32))
     assert _same(saved, (kc, vc))
+    with pytest.raises(flashport.UnsupportedError):  # a known backend refusing the call (sdpa has no cache)
+        flashport.attention_with_kvcache(q, kc, vc, k_new, v_new, block_table=table, backend="sdpa",
+                                         cache_seqlens=torch.tensor([0, 0], dtype=torch.int32))
+    assert _same(saved, (kc, vc))
 
 
 @pytest.mark.parametrize("which", ["q", "k", "k_cache"])

@@ -62,6 +62,7 @@ def materialized_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi
 def _alibi_bh(spec: AttnSpec, slopes: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
     if slopes is None:
         return None
+    slopes = slopes.detach()  # the contract differentiates q, k, v only, like every other backend
     return slopes.expand(batch, spec.heads_q) if slopes.dim() == 1 else slopes
 
 

@@ -53,6 +53,15 @@ def _device_reasons(device: torch.device) -> list[str]:
     return []
 
 
+def dropout_mask(rng_state: torch.Tensor, p: float, batch: int, heads_q: int, sq: int, sk: int) -> torch.Tensor:
+    """The [B, Hq, Sq, Sk] bool keep-mask the kernels apply for dropout (small shapes only, for tests).
+
+    The kernels evaluate the shared Philox mask of flashport.dropout in registers (kernels.common.
+    dropout_keep, checked bit for bit against this in the interpreter tier); here it is dense."""
+    from ..dropout import dense_keep_mask
+    return dense_keep_mask(rng_state, p, batch, heads_q, sq, sk)
+
+
 @dataclass
 class _Call:
     """Everything but q, k, v that the forward and backward launchers need (the autograd options)."""

@@ -315,3 +315,23 @@ def test_empty_query_and_batch():
     out, lse = flashport.attention_with_kvcache(torch.randn(0, 1, 2, 16), kc[:0], kc[:0], backend="triton",
                                                 return_lse=True)
     assert out.shape == (0, 1, 2, 16) and lse.shape == (0, 2, 1)
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_strided_cache_seqlens_and_block_table(paged):
+    """cache_seqlens / block_table views with a non-unit stride give the answer of contiguous copies."""
+    b, hq, hkv, d, page = 2, 4, 2, 16, 4
+    lens = torch.tensor([6, 0, 9, 0], dtype=torch.int32)[::2]                 # [6, 9], stride 2
+    q = torch.randn(b, 2, hq, d)
+    if paged:
+        kc, vc = torch.randn(6, page, hkv, d), torch.randn(6, page, hkv, d)
+        table = torch.tensor([[5, 0, 1], [2, 3, 4]], dtype=torch.int32).t().contiguous().t()  # strides (1, 2)
+    else:
+        kc, vc = torch.randn(b, 12, hkv, d), torch.randn(b, 12, hkv, d)
+        table = None
+    got = flashport.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, causal=True,
+                                           backend="triton")
+    want = flashport.attention_with_kvcache(q, kc, vc, cache_seqlens=lens.contiguous(), causal=True,
+                                            block_table=None if table is None else table.contiguous(),
+                                            backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

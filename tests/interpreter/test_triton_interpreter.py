@@ -139,6 +139,16 @@ def test_varlen_tail_rows_zero_and_grads_zero():
         assert torch.isfinite(g).all() and torch.equal(g[9:], torch.zeros_like(g[9:]))
 
 
+def test_varlen_strided_cu_seqlens():
+    """cu_seqlens that are views with stride 2 must give the answer of their contiguous copies."""
+    cu = torch.tensor([0, 0, 4, 4, 4, 4, 9, 9], dtype=torch.int32)[::2]     # [0, 4, 4, 9], stride 2
+    q, k, v = torch.randn(9, 2, 16), torch.randn(9, 1, 16), torch.randn(9, 1, 16)
+    got = flashport.attention_varlen(q, k, v, cu, cu, 5, 5, causal=True, backend="triton")
+    want = flashport.attention_varlen(q, k, v, cu.contiguous(), cu.contiguous(), 5, 5, causal=True,
+                                      backend="reference")
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
 # ----------------------------------------------------------------------------- dropout
 @triton.jit
 def _keep_kernel(Out, Rng, bh, sq, sk, drop_threshold, BLOCK: tl.constexpr):
@@ -203,6 +213,18 @@ def test_dropout_is_reproducible_and_seed_dependent():
     assert torch.equal(out1, out2) and all(torch.equal(a, b) for a, b in zip(g1, g2))
     assert not torch.equal(out1, out3)
 
+
+def test_backend_exposes_its_dropout_mask():
+    """DESIGN: each backend with dropout exposes its keep-mask; `reference` fed it reproduces the run."""
+    from flashport.backend import triton as triton_backend
+    from flashport.backend.reference import reference_attention
+    case, p, seed = Case(b=2, sq=9, sk=13, hq=2, hkv=1, d=16), 0.4, 21
+    (q, k, v, _), out, _, _ = _dropout_run(case, p, seed)
+    torch.manual_seed(seed)
+    keep = triton_backend.dropout_mask(draw_rng_state(torch.device("cpu")), p, case.b, case.hq, case.sq, case.sk)
+    want = reference_attention(q, k, v, dropout_p=p, dropout_mask=keep)
+    torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-5)
+    assert not torch.allclose(out, reference_attention(q, k, v, dropout_p=p, dropout_mask=~keep), atol=1e-3)
 
 # ----------------------------------------------------------------------------- other contract points
 def test_deterministic_backward_is_bitwise_repeatable():
