@@ -16,6 +16,7 @@ warp_specialize is never used: a probe on Triton 3.6 / H100 gave NaN with it.
 """
 from __future__ import annotations
 
+import functools
 import json
 import os
 from dataclasses import asdict, dataclass, replace
@@ -161,11 +162,19 @@ def candidates(kernel: str, spec, device: torch.device) -> list[KernelConfig]:
     return out
 
 
-def smem_reasons(spec, device: torch.device) -> list[str]:
-    """Why no config fits this card's shared memory (empty list: some config fits)."""
+@functools.lru_cache(maxsize=1024)
+def _smem_reasons(spec, device: torch.device) -> tuple[str, ...]:
     kernels = KERNELS if spec.needs_grad else ("fwd",)
-    return [f"no {k} tile config fits in {smem_limit(device)} bytes of shared memory for head dim "
-            f"{spec.head_dim}/{spec.head_dim_v}" for k in kernels if not candidates(k, spec, device)]
+    return tuple(f"no {k} tile config fits in {smem_limit(device)} bytes of shared memory for head dim "
+                 f"{spec.head_dim}/{spec.head_dim_v}" for k in kernels if not candidates(k, spec, device))
+
+
+def smem_reasons(spec, device: torch.device) -> list[str]:
+    """Why no config fits this card's shared memory (empty list: some config fits).
+
+    Asked by `supports()` on every call; memoised per spec (a frozen, hashable dataclass), since a
+    training or serving loop repeats the same shapes and the answer only depends on the card."""
+    return list(_smem_reasons(spec, device))
 
 
 # ----------------------------------------------------------------------------- launching
