@@ -86,7 +86,9 @@ def correctness(dtype=torch.bfloat16):
 
 
 # ----------------------------------------------------------------------------- (b) tuning
-TUNE_SHAPES = {64: (8, 2048, 32, 64), 128: (8, 2048, 16, 128), 256: (8, 2048, 8, 256)}
+# (B, S) per length class of tuning.length_key, H * D = 2048 as in the standard set
+TUNE_LENGTHS = {"short": (16, 1024), "long": (4, 4096)}
+TUNE_DIMS = (64, 128, 256)
 
 
 def _compile_worker(job):
@@ -99,7 +101,8 @@ def _compile_worker(job):
         cfg = KernelConfig(*cfg)
         q, k, v = (torch.randn(b, 256, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         spec, _ = dense_spec(q, k, v, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                             alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+                             alibi_slopes=None, dropout_p=0.0, deterministic=kernel in ("bwd_dkdv", "bwd_dq"),
+                             return_lse=False)
         if kernel == "fwd":
             attn_fwd.forward(spec, q, k, v, config=cfg)
         else:
@@ -111,16 +114,16 @@ def _compile_worker(job):
         return f"{kernel} {cfg}: {type(e).__name__}: {str(e)[:200]}"
 
 
-def tune(out_dir: Path, budget_s: float, causal_too: bool):
+def tune(out_dir: Path, budget_s: float, causal_too: bool, kernels):
     import multiprocessing as mp
 
     from flashport.kernels import tuning
     jobs = []
-    for d, shape in TUNE_SHAPES.items():
+    for d in TUNE_DIMS:
         for causal in (False, True) if causal_too else (False,):
-            for kernel in tuning.KERNELS:
-                for cfg in tuning.default_configs(kernel, d, torch.bfloat16, 2, 4):
-                    jobs.append((kernel, tuple(cfg.__dict__.values()), shape, causal))
+            for kernel in kernels:
+                for cfg in tuning.default_configs(kernel, d, torch.bfloat16, 2, 5):
+                    jobs.append((kernel, tuple(cfg.__dict__.values()), (1, 256, 2048 // d, d), causal))
     workers = max(1, min(12, (os.cpu_count() or 2) - 2))
     log(f"tune: compiling {len(jobs)} candidates in {workers} processes")
     with mp.get_context("spawn").Pool(workers) as pool:
@@ -131,14 +134,15 @@ def tune(out_dir: Path, budget_s: float, causal_too: bool):
     table_path = out_dir / "triton_configs.json"
     if tuning.CONFIG_PATH.exists() and not table_path.exists():
         table_path.write_text(tuning.CONFIG_PATH.read_text())
-    shapes = [(b, s, h, d, c) for d, (b, s, h, _) in TUNE_SHAPES.items()
+    shapes = [(b, s, 2048 // d, d, c) for d in TUNE_DIMS for (b, s) in TUNE_LENGTHS.values()
               for c in ((False, True) if causal_too else (False,))]
+    cands = {kn: {d: tuning.default_configs(kn, d, torch.bfloat16, 2, 5) for d in TUNE_DIMS} for kn in kernels}
     best = {}
     for shape in shapes:
         if elapsed() > budget_s:
             log("tune: budget reached, stopping")
             break
-        best.update(tuning.autotune([shape], path=table_path, log=lambda m: log(m)))
+        best.update(tuning.autotune([shape], kernels=kernels, configs=cands, path=table_path, log=lambda m: log(m)))
     # a full-mask winner stands in for causal / local keys that were not timed
     for key, (cfg, _) in list(best.items()):
         for mask in ("causal", "local"):
@@ -228,6 +232,8 @@ def main():
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later parts stop when reached")
     ap.add_argument("--tune", action="store_true", help="time candidate configs and write triton_configs.json")
     ap.add_argument("--tune-causal", action="store_true", help="also tune causal keys (else full stands in)")
+    ap.add_argument("--tune-kernels", nargs="*", default=["fwd", "bwd_fused"],
+                    help="kernels to tune (bwd_dkdv and bwd_dq serve deterministic=True)")
     ap.add_argument("--tune-budget", type=float, default=None, help="seconds at which tuning stops")
     ap.add_argument("--rep", type=int, default=60, help="do_bench rep (ms)")
     args = ap.parse_args()
@@ -243,7 +249,8 @@ def main():
         path.write_text(json.dumps(result, indent=1) + "\n")
 
     if args.tune:  # first, so that the correctness check runs the tuned configs
-        result["tuning"] = tune(out_dir, args.tune_budget or args.budget * 0.5, args.tune_causal)
+        result["tuning"] = tune(out_dir, args.tune_budget or args.budget * 0.5, args.tune_causal,
+                                tuple(args.tune_kernels))
         save()
     result["correctness"] = correctness()
     save()

@@ -1,9 +1,10 @@
 """GPU suites: flashport's triton backend against its peers on the same card, in the same process.
 
 Per (shape, mode, implementation) one entry: median ms (do_bench), TFLOP/s by FlashAttention's
-convention (or GB/s of K+V read for decode), MFU against the matmul ceiling measured in the same
-run, the wall time of the first call (compilation / autotuning), peak extra device memory, the
-max |difference| to the first implementation that ran, and flashport's speedup over each peer.
+convention (or GB/s of K+V read for decode, timed both eagerly and replayed from a CUDA graph,
+every peer alike), MFU against the matmul ceiling measured in the same run, the wall time of the
+first call (compilation / autotuning), peak extra device memory, the max |difference| to the first
+implementation that ran, and flashport's speedup over each peer.
 Anything that raises (UnsupportedError, a missing kernel, OOM, a compile failure) becomes an entry
 with its status and reason; the run goes on.
 """
@@ -14,7 +15,7 @@ import torch
 from . import peers
 from .peers import NotApplicable
 from .shapes import Shape, flops, kv_bytes
-from .timing import gpu_ms, wall_s
+from .timing import gpu_graph_ms, gpu_ms, wall_s
 
 FLASHPORT = "flashport-triton"
 
@@ -90,21 +91,36 @@ def _decode(suite: str, shape: Shape, impls, device, ceil: dict, tick) -> list[d
             with peers.context(impl):
                 fn = peers.decode_fn(impl, shape, q, kc, vc, lens, table)
                 first_s, out = wall_s(lambda: peers.run_once(fn), device)
-                ms = gpu_ms(fn)
                 diff = None if ref_out is None else (out.float() - ref_out).abs().max().item()
                 if ref_out is None:
                     ref_out = out.float()
-                gbps = kv_bytes(shape) / (ms * 1e-3) / 1e9
-                copy = ceil.get("copy_gbps")
-                entries.append(_entry(suite, shape, impl, "fwd", status="ok", ms=ms, gbps=gbps,
-                                      frac_of_copy=gbps / copy if copy else None, first_call_s=first_s,
-                                      max_abs_diff=diff))
+                entries.append(_entry(suite, shape, impl, "fwd", status="ok", first_call_s=first_s,
+                                      max_abs_diff=diff, **decode_timings(fn, shape, ceil)))
         except Exception as e:
             entries.append(_entry(suite, shape, impl, "fwd", status=_status(e), error=_err(e)))
         finally:
             torch.cuda.empty_cache()
             tick()
     return entries
+
+
+def _rate(shape: Shape, ms: float, copy) -> tuple[float, float | None]:
+    gbps = kv_bytes(shape) / (ms * 1e-3) / 1e9
+    return gbps, (gbps / copy if copy else None)
+
+
+def decode_timings(fn, shape: Shape, ceil: dict) -> dict:
+    """Eager median (do_bench: ms, gbps, frac_of_copy) and CUDA-graph replay median (graph_ms,
+    graph_gbps, graph_frac_of_copy; graph_fallback says why when capture failed and the eager
+    timing stands in) of one decode call, GB/s counting the K+V bytes read."""
+    ms = gpu_ms(fn)
+    graph_ms, fallback = gpu_graph_ms(fn)
+    (gbps, frac), (g_gbps, g_frac) = (_rate(shape, t, ceil.get("copy_gbps")) for t in (ms, graph_ms))
+    timings = dict(ms=ms, gbps=gbps, frac_of_copy=frac, graph_ms=graph_ms, graph_gbps=g_gbps,
+                   graph_frac_of_copy=g_frac)
+    if fallback:
+        timings["graph_fallback"] = fallback
+    return timings
 
 
 def add_ratios(entries: list[dict], ceil: dict) -> None:
@@ -120,6 +136,9 @@ def add_ratios(entries: list[dict], ceil: dict) -> None:
         fp = group.get(FLASHPORT)
         if fp:
             fp["speedup_vs"] = {n: e["ms"] / fp["ms"] for n, e in group.items() if n != FLASHPORT}
+            if fp.get("graph_ms"):
+                fp["graph_speedup_vs"] = {n: e["graph_ms"] / fp["graph_ms"] for n, e in group.items()
+                                          if n != FLASHPORT and e.get("graph_ms")}
 
 
 def run_suite(suite: str, shapes: list[Shape], impls, device, ceil: dict, tick) -> list[dict]:

@@ -82,17 +82,31 @@ def cpu_table(entries: list[dict]) -> str:
     return _table(head, rows)
 
 
+def _pct(x) -> str:
+    return "-" if x is None else f"{x:.0%}"
+
+
+def _graph_cell(e: dict) -> str:
+    """Decode entries: CUDA-graph replay median as 'ms GB/s copy%' ('*' = capture failed, eager)."""
+    if e.get("graph_ms") is None:
+        return "-"
+    star = "*" if e.get("graph_fallback") else ""
+    return f"{_fmt(e['graph_ms'])}{star} {_fmt(e.get('graph_gbps'), '.0f')} {_pct(e.get('graph_frac_of_copy'))}"
+
+
 def gpu_table(entries: list[dict]) -> str:
-    head = ("shape", "mode", "impl", "status", "ms", "TFLOP/s | GB/s", "MFU | copy", "first call s", "speedup vs peers",
-            "note")
+    head = ("shape", "mode", "impl", "status", "ms", "TFLOP/s | GB/s", "MFU | copy", "graph: ms GB/s copy",
+            "first call s", "speedup vs peers (graph)", "note")
     rows = []
     for e in entries:
         rate = e.get("tflops", e.get("gbps"))
         frac = e.get("mfu", e.get("frac_of_copy"))
-        sp = " ".join(f"{k}:{v:.2f}" for k, v in (e.get("speedup_vs") or {}).items())
+        graph_sp = e.get("graph_speedup_vs") or {}
+        sp = " ".join(f"{k}:{v:.2f}" + (f" ({graph_sp[k]:.2f})" if k in graph_sp else "")
+                      for k, v in (e.get("speedup_vs") or {}).items())
+        note = e.get("error") or e.get("graph_fallback") or ""
         rows.append((e["label"], e["mode"], e["impl"], e["status"], _fmt(e.get("ms")), _fmt(rate, ".1f"),
-                     "-" if frac is None else f"{frac:.0%}", _fmt(e.get("first_call_s"), ".2f"), sp,
-                     (e.get("error") or "")[:70]))
+                     _pct(frac), _graph_cell(e), _fmt(e.get("first_call_s"), ".2f"), sp, note[:70]))
     return _table(head, rows)
 
 
@@ -186,12 +200,16 @@ def plot_gpu(doc: dict, path: str) -> None:
 
 def _bars(plt, doc, ok, path, key):
     groups = list(dict.fromkeys((e["label"], e["mode"]) for e in ok))
-    impls = list(dict.fromkeys(e["impl"] for e in ok))
-    width = 0.8 / max(1, len(impls))
+    # one series per (implementation, timing): decode entries also carry CUDA-graph replay rates
+    series = [(impl, k) for impl in dict.fromkeys(e["impl"] for e in ok)
+              for k in (key, "graph_" + key) if any(e["impl"] == impl and e.get(k) is not None for e in ok)]
+    width = 0.8 / max(1, len(series))
     fig, ax = plt.subplots(figsize=(max(8, 1.2 * len(groups)), 5))
-    for n, impl in enumerate(impls):
-        vals = [next((e[key] for e in ok if (e["label"], e["mode"]) == g and e["impl"] == impl), 0) for g in groups]
-        ax.bar([i + n * width for i in range(len(groups))], vals, width, label=impl)
+    for n, (impl, k) in enumerate(series):
+        vals = [next((e.get(k) or 0 for e in ok if (e["label"], e["mode"]) == g and e["impl"] == impl), 0)
+                for g in groups]
+        ax.bar([i + n * width for i in range(len(groups))], vals, width,
+               label=impl + (" (CUDA graph)" if k.startswith("graph_") else ""))
     ceiling = doc["ceilings"].get("copy_gbps" if key == "gbps" else "matmul_bf16_tflops")
     if ceiling:
         ax.axhline(ceiling, color="grey", ls=":", lw=1, label="copy ceiling" if key == "gbps" else "matmul ceiling")

@@ -1,12 +1,15 @@
 """Timers and measured ceilings.
 
-GPU: medians from `triton.testing.do_bench` (it flushes L2 between runs), CUDA events otherwise.
+GPU: medians from `triton.testing.do_bench` (it flushes L2 between runs), CUDA events otherwise;
+`gpu_graph_ms` times the same call replayed from a CUDA graph (no Python, launcher or allocator work
+per call: what a serving loop that captures its decode step pays), also with L2 flushed per replay.
 CPU: wall-clock medians with time.perf_counter.  Ceilings are measured in the same run on the same
 card: a bf16 8192^3 matmul (TFLOP/s, the MFU denominator) and a device-to-device copy (GB/s,
 bytes read + written, the decode denominator).
 """
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 from typing import Callable
@@ -38,6 +41,61 @@ def gpu_ms(fn: Callable[[], object], warmup: int = 25, rep: int = 100) -> float:
         torch.cuda.synchronize()
         times.append(start.elapsed_time(end))
     return statistics.median(times)
+
+
+_FLUSH_BYTES = 256 << 20   # larger than any L2 (H200: 60 MiB), as do_bench uses
+_flush: dict = {}
+
+
+def _l2_flush(device) -> torch.Tensor:
+    key = str(device)
+    if key not in _flush:
+        _flush[key] = torch.empty(_FLUSH_BYTES, dtype=torch.int8, device=device)
+    return _flush[key]
+
+
+def gpu_graph_ms(fn: Callable[[], object], warmup: int = 3, rep_ms: float = 100.0,
+                 max_replays: int = 1000) -> tuple[float, str | None]:
+    """Median milliseconds of fn() replayed from a CUDA graph -> (ms, None).
+
+    fn is warmed up on a side stream (compilation, lazy init, allocator pools), captured once, and
+    each replay is timed alone with CUDA events after an L2 flush, like do_bench.  If capture fails
+    (an op that syncs with the host, a library that cannot be captured) the result is the eager
+    median of gpu_ms with the reason: (ms, "graph capture failed: ...")."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        graph.replay()
+        torch.cuda.synchronize()
+    except Exception as e:  # noqa: BLE001 - any capture failure is reported, the timing goes on eagerly
+        with contextlib.suppress(Exception):
+            torch.cuda.synchronize()
+        reason = f"graph capture failed: {type(e).__name__}: {e}".replace("\n", " ")[:300]
+        return gpu_ms(fn), reason
+    flush = _l2_flush(device)
+
+    def timed_replay() -> float:
+        flush.zero_()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    first = statistics.median(timed_replay() for _ in range(5))
+    n = int(min(max_replays, max(10, rep_ms / max(first, 1e-3))))
+    ms = statistics.median(timed_replay() for _ in range(n))
+    del graph
+    return ms, None
 
 
 def wall_s(fn: Callable[[], object], device) -> tuple[float, object]:

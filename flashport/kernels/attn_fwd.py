@@ -4,8 +4,9 @@ The Q tile [BLOCK_M, D] stays on chip while K/V tiles [BLOCK_N, D] stream throug
 softmax (running max m_i and sum l_i, in the log2 domain with exp2) rescales the accumulator acc,
 so scores never reach device memory.  Key tiles the mask hides entirely are never visited (the key
 range comes from the window / causal diagonal of the Q tile, as in flashport.masks.key_range), and
-only the boundary tiles pay for the mask: the loop runs masked tiles, then full tiles without any
-mask, then masked tiles again.
+only the boundary tiles pay for the mask (either in separate loops or behind a run-time branch: the
+SPLIT note in common.py).  With a positive scale and no softcap / ALiBi, the scale is folded into the
+exp2 argument (one FMA per score).
 
 Equivalent PyTorch math (per batch b, query head h, kv head h // G):
     p = softmax(score(q[b, :, h] @ k[b, :, h // G].T), -1)     (score: common.transform_log2, mask_scores)
@@ -19,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import (LN2_K, LOG2E_K, KernelArgs, dropout_keep, key_tiles, load_tile, mask_scores, seq_bounds,
-                     transform_log2)
+                     tile_mask, tile_part, transform_log2)
 from .tuning import launch_with_fallback
 
 
@@ -28,7 +29,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
                left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+               SCALE_FOLD: tl.constexpr):
     """Key tiles [lo, hi) (lo a multiple of BLOCK_N); k_ptr / v_ptr point at key row lo.  Tiles in
     [full_lo, full_hi) need no mask (used when MASK == 2, see common.mask_scores)."""
     offs_nb = tl.arange(0, BLOCK_N)
@@ -40,16 +42,27 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
         offs_n = start_n + offs_nb
         k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s, t = transform_log2(qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP,
-                          ALIBI)
-        s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right,
-                        (start_n < full_lo) | (start_n >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
-        m_ij = tl.maximum(m_i, tl.max(s, 1))
+        boundary = (start_n < full_lo) | (start_n >= full_hi)
+        if SCALE_FOLD:
+            # Plain scores with a positive scale: max(qk * c) = max(qk) * c, so the scale joins the
+            # subtraction in one FMA (qk * c - m) instead of a separate multiply per score.
+            qk = mask_scores(qk, offs_m[:, None], offs_n[None, :], sk, diag, left, right, boundary, MASK, HAS_LEFT,
+                             HAS_RIGHT)
+            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        else:
+            s, t = transform_log2(qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, cap_in, cap_out, slope2,
+                                  SOFTCAP, ALIBI)
+            s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right, boundary, MASK, HAS_LEFT,
+                            HAS_RIGHT)
+            m_ij = tl.maximum(m_i, tl.max(s, 1))
         if MASK != 0:
             # A row that has seen no visible key yet has m_ij = -inf; a finite stand-in keeps
             # exp2(-inf - m) = 0 instead of NaN.
             m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        p = tl.exp2(s - m_ij[:, None])
+        if SCALE_FOLD:
+            p = tl.exp2(qk * qk_scale - m_ij[:, None])
+        else:
+            p = tl.exp2(s - m_ij[:, None])
         alpha = tl.exp2(m_i - m_ij)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
@@ -72,7 +85,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+              PRECISION: tl.constexpr, SPLIT: tl.constexpr, SCALE_FOLD: tl.constexpr):
     # Heaviest Q tiles (largest row index: most keys under causal) are scheduled first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -112,28 +125,16 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    if SPLIT:  # boundary tiles, full tiles without mask code, boundary tiles
+    # SPLIT: boundary tiles (masked), full tiles (no mask code), boundary tiles again; otherwise one
+    # pipelined loop masking behind a run-time branch (see kernels/common.py).
+    for part in tl.static_range(3 if SPLIT else 1):
+        p_lo, p_hi = tile_part(lo, hi, full_lo, full_hi, part, SPLIT)
+        r = tl.cast(p_lo, tl.int64)
         acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_base + tl.cast(lo, tl.int64) * stride_ks, v_base + tl.cast(lo, tl.int64) * stride_vs,
-            stride_ks, stride_vs, lo, full_lo, full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in,
-            cap_out, slope2, seed, rng_offset, bh, drop_threshold, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT,
-            HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
-        acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_base + tl.cast(full_lo, tl.int64) * stride_ks,
-            v_base + tl.cast(full_lo, tl.int64) * stride_vs, stride_ks, stride_vs, full_lo, full_hi, full_lo, full_hi,
-            offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
-            D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, 0, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
-        acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_base + tl.cast(full_hi, tl.int64) * stride_ks,
-            v_base + tl.cast(full_hi, tl.int64) * stride_vs, stride_ks, stride_vs, full_hi, hi, full_lo, full_hi,
-            offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
-            D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, 1, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
-    else:  # one loop; boundary tiles masked behind a run-time branch
-        acc, l_i, m_i = _fwd_tiles(
-            acc, l_i, m_i, q, k_base + tl.cast(lo, tl.int64) * stride_ks, v_base + tl.cast(lo, tl.int64) * stride_vs,
-            stride_ks, stride_vs, lo, hi, full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out,
-            slope2, seed, rng_offset, bh, drop_threshold, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, 2, HAS_LEFT, HAS_RIGHT,
-            SOFTCAP, ALIBI, DROPOUT, PRECISION)
+            acc, l_i, m_i, q, k_base + r * stride_ks, v_base + r * stride_vs, stride_ks, stride_vs, p_lo, p_hi,
+            full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
+            drop_threshold, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, tile_mask(part, SPLIT), HAS_LEFT,
+            HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCALE_FOLD)
 
     # Epilogue: rows that saw no key (l_i = 0) get out = 0 and lse = -inf.
     empty = l_i == 0.0
@@ -176,6 +177,7 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
             lse.fill_(float("-inf"))
         return out, lse, lse2.fill_(float("inf"))
     a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state)
+    scale_fold = spec.softmax_scale > 0 and spec.softcap == 0 and alibi is None
 
     def launch(cfg):
         grid = (triton.cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
@@ -184,8 +186,8 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
             *a.q_strides, *a.k_strides, *a.v_strides, *o_strides, *l_strides, a.slope_stride,
             a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,
             a.drop_threshold, a.drop_scale,
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages, **a.constexprs)
+            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCALE_FOLD=scale_fold,
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
 
     launch_with_fallback("fwd", spec, q.device, launch, config)
     return out, lse, lse2

@@ -123,6 +123,30 @@ def query_tiles(start_n, sq, sk, diag, left, right, BLOCK_M: tl.constexpr, BLOCK
 
 
 @triton.jit
+def tile_part(lo, hi, full_lo, full_hi, part: tl.constexpr, SPLIT: tl.constexpr):
+    """Tile range [p_lo, p_hi) of loop `part`: with SPLIT, part 0 = boundary tiles before the full ones,
+    1 = the full tiles, 2 = boundary tiles after them; without SPLIT one loop covers [lo, hi)."""
+    p_lo = lo
+    p_hi = hi
+    if SPLIT:
+        if part == 0:
+            p_hi = full_lo
+        elif part == 1:
+            p_lo = full_lo
+            p_hi = full_hi
+        else:
+            p_lo = full_hi
+    return p_lo, p_hi
+
+
+@triton.constexpr_function
+def tile_mask(part, split):
+    """MASK mode of loop `part` (see mask_scores): the full-tile loop of SPLIT needs none, its boundary
+    loops always mask, and the single loop masks behind a run-time branch."""
+    return (0 if part == 1 else 1) if split else 2
+
+
+@triton.jit
 def tanh(x):
     # 1 - 2 / (e^{2x} + 1): exact limits at both tails (e^{2x} -> inf gives 1, -> 0 gives -1) and it
     # runs in the interpreter, which has no libdevice.  Absolute error ~1 ulp of 1, which after the

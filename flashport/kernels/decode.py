@@ -10,8 +10,9 @@ One program per (batch b, KV head g, block of packed query rows, key split s):
   the window) is cut into NUM_SPLITS chunks of whole BLOCK_N tiles; split s streams its chunk with
   the online softmax (exp2, log2-domain scores) and writes its partial (acc / l_i, lse).  A split
   past the end of its sequence writes lse = -inf, so the host never needs the lengths.
-* Paged caches are read through block_table with a per-key page lookup (page = pos // PAGE_SIZE),
-  correct for any page size, whether or not BLOCK_N divides it.
+* Paged caches are read through block_table: one lookup per tile when BLOCK_N divides the page
+  size (a tile never straddles pages), otherwise one per key (page = pos // PAGE_SIZE), correct
+  for any page size.
 
 With NUM_SPLITS = 1 the kernel writes the final output directly; otherwise flashport.kernels.merge
 combines the splits exactly (lse-weighted).  Equivalent PyTorch math: backend/reference.py's
@@ -20,15 +21,19 @@ materialized_attention(q, k_cache[:, :seqlens_k[b]], ...) with bottom-right alig
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
+from dataclasses import dataclass
 
 import torch
 import triton
 import triton.language as tl
 
+from . import splitkv
 from .common import LOG2E, score_log2
 from .merge import merge_partials
-from .splitkv import choose_config, choose_num_splits, device_facts, interpreting, sm_count, smem_limit
+from .splitkv import (DecodeConfig, choose_config, choose_num_splits, device_facts, interpreting, sm_count,
+                      smem_limit)
 
 MAX_HEAD_DIM = 256
 
@@ -47,7 +52,8 @@ def _kvcache_split_kernel(
     qk_scale, cap_in, cap_out, window_left, window_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
-    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+    PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
+    HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     pid_bg = tl.program_id(0)
@@ -100,8 +106,15 @@ def _kvcache_split_kernel(
         offs_n = start_n + tl.arange(0, BLOCK_N)
         key_ok = offs_n < n_end                                 # never read past the split or Sk
         if PAGED:
-            page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
-            slot = (offs_n % PAGE_SIZE).to(tl.int64)
+            if TILE_IN_PAGE:
+                # BLOCK_N divides the page and tiles start on multiples of BLOCK_N, so the whole tile
+                # lies in one page: one scalar lookup, and the keys are one strided run as in a
+                # dense cache (start_n < n_end <= capacity keeps the lookup inside the table row).
+                page = tl.load(bt_row + start_n // PAGE_SIZE).to(tl.int64)
+                slot = (start_n % PAGE_SIZE + tl.arange(0, BLOCK_N)).to(tl.int64)
+            else:
+                page = tl.load(bt_row + offs_n // PAGE_SIZE, mask=key_ok, other=0).to(tl.int64)
+                slot = (offs_n % PAGE_SIZE).to(tl.int64)
             k_off = page * stride_kb + slot * stride_ks
             v_off = page * stride_vb + slot * stride_vs
         else:
@@ -138,12 +151,24 @@ def _kvcache_split_kernel(
 
 
 # ----------------------------------------------------------------------------- host side
+# Page lookups once per BLOCK_N tile (instead of once per key) wherever BLOCK_N divides the page size.
+# A switch only so that bench/gpu_decode_probe.py can time both forms of the kernel.
+TILE_PAGE_LOOKUP = True
+
+
 def _allow_tf32() -> bool:
     return os.environ.get("FLASHPORT_ALLOW_TF32", "0") == "1"
 
 
 def kvcache_supports(spec) -> list[str]:
     """Reasons the Triton KV-cache kernel cannot serve `spec` (empty list = it can)."""
+    return list(_supports(spec, interpreting()))
+
+
+@functools.lru_cache(maxsize=256)
+def _supports(spec, interpreter: bool) -> tuple[str, ...]:
+    # Memoised per spec: every fact it reads is static for the process (the interpreter switch, an
+    # environment variable read at each call, is part of the key).
     reasons = []
     if spec.kind != "kvcache":
         reasons.append(f"kvcache kernel serves kind 'kvcache', not {spec.kind!r}")
@@ -157,7 +182,7 @@ def kvcache_supports(spec) -> list[str]:
         reasons.append(f"head dim {max(spec.head_dim, spec.head_dim_v)} > {MAX_HEAD_DIM} unsupported")
     dev = spec.device
     if dev.type == "cpu":
-        if not interpreting():
+        if not interpreter:
             reasons.append("CPU tensors need TRITON_INTERPRET=1 (Triton interpreter)")
     elif dev.type == "cuda":
         if not torch.cuda.is_available():
@@ -166,90 +191,121 @@ def kvcache_supports(spec) -> list[str]:
             _, smem, cap = device_facts(dev)
             if cap < (8, 0):
                 reasons.append(f"compute capability {cap[0]}.{cap[1]} < 8.0")
-            elif not reasons and _config(spec, smem) is None:
+            elif not reasons and _config(spec, smem, interpreter) is None:
                 reasons.append(f"no tile configuration fits in {smem} bytes of shared memory")
     else:
         reasons.append(f"device type {dev.type!r} unsupported (CUDA, or CPU under TRITON_INTERPRET=1)")
-    return reasons
+    return tuple(reasons)
 
 
-def _config(spec, smem, block_m=None, block_n=None):
+def _config(spec, smem, interpreter, block_m=None, block_n=None, num_stages=None):
     return choose_config(spec.group_size * spec.seqlen_q, spec.head_dim, spec.head_dim_v, spec.dtype.itemsize,
-                         smem, interpreting(), block_m=block_m, block_n=block_n)
+                         smem, interpreter, block_m=block_m, block_n=block_n, num_stages=num_stages)
+
+
+@dataclass(frozen=True, eq=False)
+class LaunchPlan:
+    """Everything about a launch that follows from the spec and the device, decided once per spec."""
+
+    cfg: DecodeConfig
+    m_blocks: int
+    num_splits: int
+    qk_scale: float
+    cap_in: float
+    cap_out: float
+    constexprs: dict           # the kernel's tl.constexpr arguments, num_warps and num_stages
+
+
+@functools.lru_cache(maxsize=512)
+def launch_plan(spec, sms: int, smem: int, interpreter: bool, tf32: bool, num_splits=None, block_m=None,
+                block_n=None, num_stages=None, waves: int = splitkv.WAVES, min_tiles: int = 2,
+                tile_page_lookup: bool = True) -> LaunchPlan | None:
+    """Tiles, split count and constexprs for `spec` (None: no tile configuration fits `smem`).
+
+    A pure function of its arguments, memoised: the per-call host work of a decode step is then the
+    allocations and the two launches.  waves / min_tiles are splitkv's WAVES / MIN_TILES_PER_SPLIT,
+    passed in so that a retune of those constants reaches the cache key."""
+    cfg = _config(spec, smem, interpreter, block_m, block_n, num_stages)
+    if cfg is None:
+        return None
+    m_blocks = triton.cdiv(spec.seqlen_q * spec.group_size, cfg.BLOCK_M)
+    if num_splits is None:
+        num_splits = choose_num_splits(spec.batch * spec.heads_kv * m_blocks, triton.cdiv(spec.seqlen_k, cfg.BLOCK_N),
+                                       sms, min_tiles=min_tiles, waves=waves)
+    softcap = spec.softcap
+    tile_in_page = bool(spec.paged and tile_page_lookup and spec.page_block_size % cfg.BLOCK_N == 0)
+    constexprs = dict(
+        GROUP=spec.group_size, HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.head_dim_v,
+        BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=cfg.BLOCK_D, BLOCK_DV=cfg.BLOCK_DV,
+        PAGED=spec.paged, PAGE_SIZE=spec.page_block_size if spec.paged else 1, TILE_IN_PAGE=tile_in_page,
+        HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0,
+        SOFTCAP=softcap > 0, ALIBI=spec.alibi is not None,
+        DOT_PRECISION="ieee" if spec.dtype == torch.float32 and not tf32 else "tf32",
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    return LaunchPlan(cfg, m_blocks, num_splits, qk_scale=spec.softmax_scale * LOG2E,
+                      cap_in=spec.softmax_scale / softcap if softcap > 0 else 0.0, cap_out=softcap * LOG2E,
+                      constexprs=constexprs)
+
+
+def plan_for(spec, device: torch.device, *, num_splits=None, block_m=None, block_n=None,
+             num_stages=None) -> LaunchPlan | None:
+    """launch_plan with this process's current settings (device facts, env switches, tuning constants)."""
+    interp = interpreting()
+    return launch_plan(spec, sm_count(device), smem_limit(device), interp, _allow_tf32(), num_splits, block_m,
+                       block_n, num_stages, splitkv.WAVES, 1 if interp else splitkv.MIN_TILES_PER_SPLIT,
+                       TILE_PAGE_LOOKUP)
 
 
 def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: int | None = None,
-                      block_n: int | None = None):
+                      block_n: int | None = None, num_stages: int | None = None):
     """q [B, Sq, Hq, D] against the cache in `inputs` -> (out [B, Sq, Hq, Dv] q.dtype, lse [B, Hq, Sq] f32).
 
     inputs.k / inputs.v: dense [B, capacity, Hkv, D|Dv] or paged [num_blocks, page, Hkv, D|Dv] with
     inputs.block_table int32 [B, max_blocks]; inputs.seqlens_k int32 [B] valid lengths (None = the
-    whole capacity).  num_splits / block_m / block_n override the heuristics (tests use them).
-    Never synchronises with the host."""
+    whole capacity).  num_splits / block_m / block_n / num_stages override the heuristics (tests and
+    bench/gpu_decode_probe.py use them).  Never synchronises with the host."""
     q, k_cache, v_cache = inputs.q, inputs.k, inputs.v
     bsz, sq, hq, _ = q.shape
-    hkv, dv = spec.heads_kv, spec.head_dim_v
-    out = torch.empty(bsz, sq, hq, dv, dtype=q.dtype, device=q.device)
+    out = torch.empty(bsz, sq, hq, spec.head_dim_v, dtype=q.dtype, device=q.device)
     lse = torch.empty(bsz, hq, sq, dtype=torch.float32, device=q.device)
-    if out.numel() == 0 or lse.numel() == 0:
+    if out.numel() == 0 or lse.numel() == 0 or spec.seqlen_k == 0:   # nothing to attend to: 0, -inf
         return out.zero_(), lse.fill_(float("-inf"))
-    if spec.seqlen_k == 0:                 # an empty cache: every row sees no key
-        return out.zero_(), lse.fill_(float("-inf"))
+    if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
+        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
+    plan = plan_for(spec, q.device, num_splits=num_splits, block_m=block_m, block_n=block_n,
+                    num_stages=num_stages)
+    if plan is None:
+        raise ValueError("no Triton tile configuration fits this device's shared memory")
     seqlens = inputs.seqlens_k
     if seqlens is None:
         seqlens = torch.full((bsz,), spec.seqlen_k, dtype=torch.int32, device=q.device)
 
-    cfg = _config(spec, smem_limit(q.device), block_m, block_n)
-    if cfg is None:
-        raise ValueError("no Triton tile configuration fits this device's shared memory")
-    group = spec.group_size
-    m_blocks = triton.cdiv(sq * group, cfg.BLOCK_M)
-    if num_splits is None:
-        num_splits = choose_num_splits(bsz * hkv * m_blocks, triton.cdiv(spec.seqlen_k, cfg.BLOCK_N),
-                                       sm_count(q.device), min_tiles=1 if interpreting() else 2)
-    if not isinstance(num_splits, int) or num_splits < 1:
-        raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
-
-    if num_splits == 1:
+    splits = plan.num_splits
+    if splits == 1:
         o_buf, l_buf = out, lse
         o_strides, l_strides = (0, *out.stride()[:3]), (0, *lse.stride())
     else:  # fp32 partials: the merge reads each split's normalised output and lse
-        o_buf = torch.empty(num_splits, bsz, sq, hq, dv, dtype=torch.float32, device=q.device)
-        l_buf = torch.empty(num_splits, bsz, hq, sq, dtype=torch.float32, device=q.device)
+        o_buf = torch.empty(splits, bsz, sq, hq, spec.head_dim_v, dtype=torch.float32, device=q.device)
+        l_buf = torch.empty(splits, bsz, hq, sq, dtype=torch.float32, device=q.device)
         o_strides, l_strides = o_buf.stride()[:4], l_buf.stride()
-
-    paged = inputs.block_table is not None
-    block_table = inputs.block_table if paged else seqlens
+    block_table = inputs.block_table if spec.paged else seqlens     # any int32 tensor when unused
     slopes = inputs.alibi_slopes
-    if slopes is not None:
-        a_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride()
-    else:
+    if slopes is None:
         slopes, a_strides = q, (0, 0)
-    softcap = spec.softcap
-    qk_scale = spec.softmax_scale * LOG2E
-    cap_in = spec.softmax_scale / softcap if softcap > 0 else 0.0
-    cap_out = softcap * LOG2E
-    precision = "ieee" if q.dtype == torch.float32 and not _allow_tf32() else "tf32"
+    else:
+        a_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride()
 
-    grid = (bsz * hkv, m_blocks, num_splits)
     with _device_guard(q.device):
-        _kvcache_split_kernel[grid](
+        _kvcache_split_kernel[(bsz * spec.heads_kv, plan.m_blocks, splits)](
             q, k_cache, v_cache, seqlens, block_table, slopes, o_buf, l_buf,
-            q.stride(0), q.stride(1), q.stride(2),
-            k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-            block_table.stride(0),
+            *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
             *a_strides, *o_strides, *l_strides,
-            sq, hkv, num_splits,
-            qk_scale, cap_in, cap_out, spec.window_left, spec.window_right,
-            GROUP=group, HEAD_DIM=spec.head_dim, HEAD_DIM_V=dv,
-            BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=cfg.BLOCK_D, BLOCK_DV=cfg.BLOCK_DV,
-            PAGED=paged, PAGE_SIZE=spec.page_block_size if paged else 1,
-            HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0,
-            SOFTCAP=softcap > 0, ALIBI=inputs.alibi_slopes is not None, DOT_PRECISION=precision,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+            sq, spec.heads_kv, splits,
+            plan.qk_scale, plan.cap_in, plan.cap_out, spec.window_left, spec.window_right,
+            **plan.constexprs,
         )
-        if num_splits > 1:
+        if splits > 1:
             merge_partials(o_buf, l_buf, out, lse)
     return out, lse
 

@@ -12,6 +12,7 @@ NaN there cannot leak); a row whose parts are all -inf comes out as zeros with l
 from __future__ import annotations
 
 import contextlib
+import functools
 
 import torch
 import triton
@@ -71,23 +72,27 @@ def _merge_kernel(
     tl.store(LSE_OUT + b * stride_lob + i * stride_loq + h * stride_loh, lse, mask=h_ok)
 
 
+@functools.lru_cache(maxsize=256)
+def _merge_meta(hq: int, dv: int) -> tuple[int, dict]:
+    """(BLOCK_H, launch keywords) for Hq heads of width Dv: decided once per shape."""
+    block_h = min(16, triton.next_power_of_2(hq))
+    return block_h, dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
+                         num_warps=4 if block_h * dv >= 2048 else 2)
+
+
 def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
     """Merge o_parts [P, B, Sq, Hq, Dv] / lse_parts [P, B, Hq, Sq] (any strides, last dim of o_parts
-    unit-stride) into out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] float32, in place."""
+    unit-stride) into out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] float32, in place.  Launches on the
+    current device: callers hold the device guard (the decode launcher already does)."""
     num_parts, bsz, sq, hq, dv = o_parts.shape
     if out.numel() == 0:
         return
-    block_h = min(16, triton.next_power_of_2(hq))
-    grid = (bsz * sq, triton.cdiv(hq, block_h))
-    guard = torch.cuda.device(out.device) if out.device.type == "cuda" else contextlib.nullcontext()
-    with guard:
-        _merge_kernel[grid](
-            o_parts, lse_parts, out, lse,
-            *o_parts.stride()[:4], *lse_parts.stride(), *out.stride()[:3], *lse.stride(),
-            num_parts, sq, hq,
-            HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-            num_warps=4 if block_h * dv >= 2048 else 2,
-        )
+    block_h, meta = _merge_meta(hq, dv)
+    _merge_kernel[(bsz * sq, triton.cdiv(hq, block_h))](
+        o_parts, lse_parts, out, lse,
+        *o_parts.stride()[:4], *lse_parts.stride(), *out.stride()[:3], *lse.stride(),
+        num_parts, sq, hq, **meta,
+    )
 
 
 def merge_states_triton(outs, lses):
@@ -101,6 +106,8 @@ def merge_states_triton(outs, lses):
     if out.numel() == 0:  # nothing to launch for; the PyTorch merge handles empty shapes
         return merge_states_torch(outs, lses)
     o_parts = torch.stack([o if o.stride(-1) == 1 else o.contiguous() for o in outs])
-    merge_partials(o_parts, torch.stack(lses), out, lse)
+    guard = torch.cuda.device(out.device) if out.device.type == "cuda" else contextlib.nullcontext()
+    with guard:
+        merge_partials(o_parts, torch.stack(lses), out, lse)
     return out, lse
 

@@ -73,24 +73,27 @@ def smem_limit(device: torch.device) -> int:
     return device_facts(device)[1]
 
 
+@functools.lru_cache(maxsize=1024)
 def choose_config(rows: int, head_dim: int, head_dim_v: int, elem_size: int, smem: int,
-                  interpreter: bool, block_m: int | None = None, block_n: int | None = None) -> DecodeConfig | None:
+                  interpreter: bool, block_m: int | None = None, block_n: int | None = None,
+                  num_stages: int | None = None) -> DecodeConfig | None:
     """Tile sizes for `rows` = G * Sq packed query rows per KV head; None if nothing fits in `smem`.
 
     Decode is bandwidth-bound: BLOCK_N 64..128 with 2-3 pipeline stages keeps enough loads in flight,
-    and BLOCK_M stays small (16 for plain decode) because the packed rows are few."""
+    and BLOCK_M stays small (16 for plain decode) because the packed rows are few.  block_m, block_n
+    and num_stages override the choice (block_n and num_stages are then never lowered to fit)."""
     bd, bdv = _pow2(head_dim), _pow2(head_dim_v)
     bm = block_m or min(64, _pow2(rows))
     if interpreter:  # small tiles: tiny test shapes still span several tiles and splits
-        return DecodeConfig(bm, block_n or 16, bd, bdv, 4, 1)
+        return DecodeConfig(bm, block_n or 16, bd, bdv, 4, num_stages or 1)
     bn = block_n or (128 if max(bd, bdv) <= 64 else 64)
-    stages = 3 if max(bd, bdv) <= 128 else 2
+    stages = num_stages or (3 if max(bd, bdv) <= 128 else 2)
     warps = 8 if bm >= 64 and max(bd, bdv) >= 128 else 4
     while True:
         cfg = DecodeConfig(bm, bn, bd, bdv, warps, stages)
         if cfg.smem_bytes(elem_size) <= smem:
             return cfg
-        if stages > 1:
+        if stages > 1 and num_stages is None:
             stages -= 1
         elif bn > 16 and block_n is None:
             bn //= 2
@@ -98,15 +101,23 @@ def choose_config(rows: int, head_dim: int, head_dim_v: int, elem_size: int, sme
             return None
 
 
-def choose_num_splits(programs: int, n_tiles: int, sms: int, min_tiles: int = MIN_TILES_PER_SPLIT,
-                      max_splits: int = MAX_SPLITS) -> int:
+def choose_num_splits(programs: int, n_tiles: int, sms: int, min_tiles: int | None = None,
+                      max_splits: int = MAX_SPLITS, waves: int | None = None) -> int:
     """How many key chunks per (batch, kv head, row block) program (FlashAttention's heuristic).
 
     programs: batch * kv_heads * row blocks without splitting; n_tiles: BLOCK_N tiles of the cache
     capacity.  With >= 80% of the WAVES * sms slots already busy, splitting only adds the merge.
     Otherwise pick the smallest split count whose wave efficiency (waves / ceil(waves)) is within
-    85% of the best, skipping counts that do not change the tiles per split."""
-    slots = WAVES * sms
+    85% of the best, skipping counts that do not change the tiles per split.  waves / min_tiles
+    = None read WAVES / MIN_TILES_PER_SPLIT at call time (so a retune takes effect at once)."""
+    return _num_splits(programs, n_tiles, sms, MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles,
+                       max_splits, WAVES if waves is None else waves)
+
+
+@functools.lru_cache(maxsize=1024)
+def _num_splits(programs: int, n_tiles: int, sms: int, min_tiles: int, max_splits: int, waves: int) -> int:
+    # memoised: a pure function of its arguments, ~30 us of Python per decode call otherwise
+    slots = waves * sms
     if programs <= 0 or n_tiles <= 1 or programs >= 0.8 * slots:
         return 1
     limit = max(1, min(max_splits, slots, n_tiles // max(1, min_tiles)))
@@ -115,8 +126,8 @@ def choose_num_splits(programs: int, n_tiles: int, sms: int, min_tiles: int = MI
         return s == 1 or -(-n_tiles // s) != -(-n_tiles // (s - 1))
 
     def efficiency(s: int) -> float:
-        waves = programs * s / slots
-        return waves / math.ceil(waves)
+        filled = programs * s / slots
+        return filled / math.ceil(filled)
 
     candidates = [s for s in range(1, limit + 1) if useful(s)]
     best = max(efficiency(s) for s in candidates)

@@ -1,15 +1,16 @@
 """Launch configurations of the attention kernels: which BLOCK_M / BLOCK_N / num_warps / num_stages.
 
 - Under the interpreter (TRITON_INTERPRET=1): one small fixed config per kernel, no tuning.
-- On a GPU: a table of tuned configs keyed by (GPU name, kernel, head-dim bucket, dtype, mask kind)
-  loaded from flashport/configs/triton_configs.json at import; missing entries fall back to
+- On a GPU: a table of tuned configs keyed by (GPU name, kernel, head-dim bucket, dtype, mask kind,
+  length class: "short" up to SHORT_SEQ queries/keys, else "long") loaded from flashport/configs/triton_configs.json at import; missing entries fall back to
   defaults for the compute capability.  Candidates whose estimated shared memory exceeds the card's
   limit are dropped, and a launch that still runs out of resources moves on to the next candidate
   (the first one that launches is remembered per key).
 - `autotune(...)` times candidates on the current GPU and writes the table (run on the GPU).
 
-Kernels: "fwd" (block_m = Q tile, block_n = K/V tile), "bwd_dkdv" (block_n = K/V tile it owns,
-block_m = Q tile it streams), "bwd_dq" (block_m = Q tile it owns, block_n = K/V tile it streams).
+Kernels: "fwd" (block_m = Q tile, block_n = K/V tile), "bwd_fused" (the dK/dV kernel adding dQ with
+atomics: block_n = K/V tile it owns, block_m = Q tile it streams), and for deterministic=True
+"bwd_dkdv" (same tiles, no dQ) and "bwd_dq" (block_m = Q tile it owns, block_n = K/V tile it streams).
 `split` picks the loop structure: one pipelined loop with boundary tiles masked behind a run-time
 branch (default), or separate loops for boundary and full tiles.
 warp_specialize is never used: a probe on Triton 3.6 / H100 gave NaN with it.
@@ -26,7 +27,7 @@ from typing import Callable, Optional
 import torch
 
 CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "triton_configs.json"
-KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
+KERNELS = ("fwd", "bwd_fused", "bwd_dkdv", "bwd_dq")
 
 
 @dataclass(frozen=True)
@@ -78,8 +79,24 @@ def gpu_name(device: torch.device) -> str:
     return torch.cuda.get_device_name(device)
 
 
-def table_key(gpu: str, kernel: str, bucket: int, dtype: str, mask: str) -> str:
-    return f"{gpu}|{kernel}|d{bucket}|{dtype}|{mask}"
+# Sequences up to this many keys/queries give each program only a few tiles, so prologue and
+# epilogue weigh more and smaller tiles (more programs per SM) can win: they get their own entries.
+SHORT_SEQ = 1024
+
+
+def length_key(spec) -> str:
+    return "short" if max(spec.seqlen_q, spec.seqlen_k) <= SHORT_SEQ else "long"
+
+
+def table_key(gpu: str, kernel: str, bucket: int, dtype: str, mask: str, length: str = "long") -> str:
+    return f"{gpu}|{kernel}|d{bucket}|{dtype}|{mask}|{length}"
+
+
+def spec_keys(gpu: str, kernel: str, spec) -> list[str]:
+    """Table keys for a call, most specific first: its own length class, then the other one."""
+    base = (gpu, kernel, head_bucket(spec), dtype_key(spec.dtype), mask_key(spec))
+    own = length_key(spec)
+    return [table_key(*base, own), table_key(*base, "long" if own == "short" else "short")]
 
 
 # ----------------------------------------------------------------------------- defaults
@@ -92,6 +109,9 @@ def _c(*rows):
 # checked against ptxas reports for sm_90a (no register spills in the first entries).
 _FWD_64 = _c((128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 1))
 _DKDV_64 = _c((16, 128, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (16, 32, 4, 1))
+# The fused kernel also holds a [block_m, D] dQ product and stages dS for a third dot: Q tiles of
+# 64 rows as in FlashAttention-2's Hopper/Ampere backward, 32 where registers run short.
+_FUSED_64 = _c((64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (16, 32, 4, 1))
 _DQ_64 = _c((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2), (32, 16, 4, 1))
 _DEFAULTS_16BIT = {
     "fwd": {16: _FWD_64, 32: _FWD_64, 64: _FWD_64,
@@ -102,6 +122,10 @@ _DEFAULTS_16BIT = {
                  128: _c((32, 128, 8, 3), (64, 128, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (16, 32, 4, 1)),
                  256: _c((32, 64, 8, 1), (32, 64, 8, 2), (64, 32, 8, 1), (16, 64, 8, 2), (32, 32, 8, 1),
                          (16, 32, 4, 1))},
+    "bwd_fused": {16: _FUSED_64, 32: _FUSED_64, 64: _FUSED_64,
+                  128: _c((64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (16, 32, 4, 1)),
+                  256: _c((32, 64, 8, 1), (64, 64, 8, 1), (32, 64, 8, 2), (16, 64, 8, 2), (32, 32, 8, 1),
+                          (16, 32, 4, 1))},
     "bwd_dq": {16: _DQ_64, 32: _DQ_64, 64: _DQ_64,
                128: _c((128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 2), (64, 32, 4, 2), (32, 16, 4, 1)),
                256: _c((128, 32, 8, 2), (128, 16, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2), (16, 16, 4, 1))},
@@ -110,6 +134,7 @@ _DEFAULTS_16BIT = {
 _DEFAULTS_FP32 = {
     "fwd": _c((64, 64, 8, 1), (64, 32, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
     "bwd_dkdv": _c((32, 64, 8, 1), (32, 32, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)),
+    "bwd_fused": _c((32, 64, 8, 1), (32, 32, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)),
     "bwd_dq": _c((64, 32, 8, 1), (32, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1)),
 }
 
@@ -130,6 +155,8 @@ def smem_estimate(kernel: str, cfg: KernelConfig, bd: int, bdv: int, elt: int) -
         return elt * (bm * bd + st * bn * (bd + bdv))
     if kernel == "bwd_dkdv":  # K, V resident; Q, dO pipelined; P^T and dS^T staged
         return elt * (bn * (bd + bdv) + st * bm * (bd + bdv) + 2 * bm * bn)
+    if kernel == "bwd_fused":  # as bwd_dkdv, plus dS staged again as the A operand of dS K
+        return elt * (bn * (bd + bdv) + st * bm * (bd + bdv) + 3 * bm * bn)
     return elt * (bm * (bd + bdv) + st * bn * (bd + bdv) + bm * bn)   # bwd_dq
 
 
@@ -150,8 +177,8 @@ def candidates(kernel: str, spec, device: torch.device) -> list[KernelConfig]:
         return [INTERPRETER_CONFIG]
     from .common import block_dim
     bucket = head_bucket(spec)
-    key = table_key(gpu_name(device), kernel, bucket, dtype_key(spec.dtype), mask_key(spec))
-    cfgs = ([TABLE[key]] if key in TABLE else []) + default_configs(kernel, bucket, spec.dtype)
+    tuned = [TABLE[key] for key in spec_keys(gpu_name(device), kernel, spec) if key in TABLE]
+    cfgs = tuned[:1] + default_configs(kernel, bucket, spec.dtype)
     elt = torch.finfo(spec.dtype).bits // 8
     bd, bdv, limit = block_dim(spec.head_dim), block_dim(spec.head_dim_v), smem_limit(device)
     seen, out = set(), []
@@ -162,9 +189,16 @@ def candidates(kernel: str, spec, device: torch.device) -> list[KernelConfig]:
     return out
 
 
+def kernels_for(spec) -> tuple[str, ...]:
+    """The kernels a call launches (see kernels/attn_bwd.py for the two backward schedules)."""
+    if not spec.needs_grad:
+        return ("fwd",)
+    return ("fwd", "bwd_dkdv", "bwd_dq") if spec.deterministic else ("fwd", "bwd_fused")
+
+
 @functools.lru_cache(maxsize=1024)
 def _smem_reasons(spec, device: torch.device) -> tuple[str, ...]:
-    kernels = KERNELS if spec.needs_grad else ("fwd",)
+    kernels = kernels_for(spec)
     return tuple(f"no {k} tile config fits in {smem_limit(device)} bytes of shared memory for head dim "
                  f"{spec.head_dim}/{spec.head_dim_v}" for k in kernels if not candidates(k, spec, device))
 
@@ -190,7 +224,7 @@ def launch_with_fallback(kernel: str, spec, device: torch.device, launch: Callab
     if device.type != "cuda":
         launch(INTERPRETER_CONFIG)
         return INTERPRETER_CONFIG
-    key = (kernel, str(device), head_bucket(spec), spec.dtype, mask_key(spec))
+    key = (kernel, str(device), head_bucket(spec), spec.dtype, mask_key(spec), length_key(spec))
     if key in _chosen:
         launch(_chosen[key])
         return _chosen[key]
@@ -234,16 +268,18 @@ def autotune(shapes, *, kernels=KERNELS, dtypes=(torch.bfloat16,), configs: Opti
             for kernel in kernels:
                 bucket = head_bucket(spec)
                 cands = (configs or {}).get(kernel, {}).get(bucket) or default_configs(kernel, bucket, dtype, 2, 4)
-                key = table_key(gpu_name(dev), kernel, bucket, dtype_key(dtype), mask_key(spec))
+                key = spec_keys(gpu_name(dev), kernel, spec)[0]
                 ref = None
+                # the deterministic schedule is the one that launches bwd_dkdv + bwd_dq
+                kspec = replace(spec, deterministic=kernel in ("bwd_dkdv", "bwd_dq"))
                 for cfg in cands:
                     if kernel == "fwd":
                         def fn(cfg=cfg):
-                            return attn_fwd.forward(spec, q, k, v, config=cfg)[0]
+                            return attn_fwd.forward(kspec, q, k, v, config=cfg)[0]
                     else:
                         def fn(cfg=cfg, kernel=kernel):
                             cfgs = {kernel: cfg}
-                            return attn_bwd.backward(spec, do, q, k, v, out, lse2, configs=cfgs)
+                            return attn_bwd.backward(kspec, do, q, k, v, out, lse2, configs=cfgs)
                     try:
                         res = fn()
                     except Exception as e:  # noqa: BLE001 - out of resources / unsupported on this card

@@ -299,8 +299,9 @@ def test_shipped_config_table_is_valid():
     table = tuning._load_table()
     assert table, "no tuned configs shipped"
     for key, cfg in table.items():
-        gpu, kernel, bucket, dtype, mask = key.split("|")
+        gpu, kernel, bucket, dtype, mask, length = key.split("|")
         assert kernel in tuning.KERNELS and mask in ("full", "causal", "local") and bucket[0] == "d", key
+        assert length in ("short", "long"), key
         assert dtype in ("fp16", "bf16", "fp32"), key
         for n in (cfg.block_m, cfg.block_n):
             assert n >= 16 and n & (n - 1) == 0, key

@@ -1,0 +1,166 @@
+"""Compile flashport's attention kernels for Hopper (sm_90a) on a machine without a GPU and report
+what the compiler made of them: registers, spills (local memory), shared memory, and the SASS
+instructions that matter (HGMMA = Hopper tensor-core MMA; HMMA = the older, slower path;
+LDL/STL = spill traffic; RED/ATOM = the atomics of the fused backward).
+
+    python bench/compile_report.py                      # default configs, D in {64, 128, 256}
+    python bench/compile_report.py --d 128 --json out.json
+
+How: Triton compiles ahead of time through `JITFunction.warmup`; a stand-in driver names the target
+(GPUTarget("cuda", 90, 32)), and kernel launches are turned into warmups, so the real host launchers
+(kernels/attn_fwd.forward, attn_bwd.backward) run unchanged on small CPU tensors and every kernel they
+would launch is compiled instead.  cuobjdump (bundled with Triton) reads the cubins.  Nothing runs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import subprocess
+import sys
+import tempfile
+from collections import Counter
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.runtime import driver
+from triton.runtime.jit import JITFunction
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+SASS_OPS = ("HGMMA", "HMMA", "LDL", "STL", "REDG", "ATOMG", "MUFU", "LDGSTS", "UTMALDG", "BAR")
+
+
+class _HopperTarget:
+    """The parts of Triton's driver interface that compilation asks for."""
+
+    def get_current_target(self):
+        return GPUTarget("cuda", 90, 32)
+
+    def get_current_device(self):
+        return 0
+
+    def get_current_stream(self, device=None):
+        return 0
+
+    def get_active_torch_device(self):
+        return torch.device("cpu")
+
+
+_compiled: list = []
+
+
+def _warmup_only(self, grid):
+    def launch(*args, **kwargs):
+        _compiled.append((self.fn.__name__, kwargs, self.run(*args, grid=grid, warmup=True, **kwargs)))
+    return launch
+
+
+def report(kernel) -> dict:
+    """Resource usage and SASS instruction counts of one CompiledKernel."""
+    with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
+        cubin.write_bytes(kernel.asm["cubin"])
+        res = subprocess.run([str(CUOBJDUMP), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
+        sass = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True).stdout
+    usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res))
+    ops = Counter()
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", line)
+        if m:
+            ops[m.group(1)] += 1
+    counts = {op: sum(n for name, n in ops.items() if name == op or name.startswith(op + ".")) for op in SASS_OPS}
+    gmma = sorted({name for name in ops if name.startswith("HGMMA")})
+    return {"registers": int(usage.get("REG", 0)), "stack_bytes": int(usage.get("STACK", 0)),
+            "local_bytes": int(usage.get("LOCAL", 0)), "shared_bytes": kernel.metadata.shared,
+            "sass": counts, "hgmma_shapes": gmma, "sass_ops": dict(sorted(ops.items()))}
+
+
+def compile_case(d: int, causal: bool, dtype=torch.bfloat16, gqa: int = 1, configs: dict | None = None) -> list:
+    """Compile fwd + backward (both schedules) for one head dim; returns report rows."""
+    from flashport.kernels import attn_bwd, attn_fwd, tuning
+    from flashport.spec import dense_spec
+
+    b, s, hkv = 1, 256, 2
+    q = torch.randn(b, s, hkv * gqa, d, dtype=dtype)
+    k, v = (torch.randn(b, s, hkv, d, dtype=dtype) for _ in range(2))
+    rows = []
+    for deterministic in (False, True):
+        spec, _ = dense_spec(q, k, v, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                             alibi_slopes=None, dropout_p=0.0, deterministic=deterministic, return_lse=False)
+        bucket = tuning.head_bucket(spec)
+        kernels = ("fwd", "bwd_dkdv", "bwd_dq") if deterministic else ("fwd", "bwd_fused")
+        cfg = {kn: (configs or {}).get(kn) or _table_or_default(kn, bucket, spec) for kn in kernels}
+        _compiled.clear()
+        out = torch.empty(b, s, hkv * gqa, d, dtype=dtype)
+        lse2 = torch.zeros(b, hkv * gqa, s)
+        if not deterministic:
+            attn_fwd.forward(spec, q, k, v, config=cfg["fwd"])
+        attn_bwd.backward(spec, torch.randn_like(out), q, k, v, out, lse2, configs=cfg)
+        for name, kwargs, ck in _compiled:
+            kn = {"_attn_fwd": "fwd", "_bwd_dq": "bwd_dq", "_bwd_preprocess": "preprocess"}.get(name)
+            if name == "_bwd_dkdv":
+                kn = "bwd_dkdv" if deterministic else "bwd_fused"
+            c = cfg.get(kn)
+            rows.append({"kernel": kn, "d": d, "causal": causal, "gqa": gqa, "dtype": str(dtype).split(".")[-1],
+                         "config": None if c is None else asdict(c), **report(ck)})
+    return rows
+
+
+def sweep_grid(kernel: str, d: int) -> list:
+    """Tile configs worth compiling for one kernel and head dim (shared memory estimate within 227 KB)."""
+    from flashport.kernels import tuning
+    from flashport.kernels.common import block_dim
+    bd = block_dim(d)
+    grid = [tuning.KernelConfig(m, n, w, st) for m in (16, 32, 64, 128) for n in (32, 64, 128)
+            for w in (4, 8) for st in (1, 2, 3)]
+    return [c for c in grid if tuning.smem_estimate(kernel, c, bd, bd, 2) <= 232448]
+
+
+def _table_or_default(kernel, bucket, spec):
+    from flashport.kernels import tuning
+    tuned = [tuning.TABLE[k] for k in tuning.spec_keys("NVIDIA H200", kernel, spec) if k in tuning.TABLE]
+    return (tuned or tuning.default_configs(kernel, bucket, spec.dtype))[0]
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d", type=int, nargs="*", default=[64, 128, 256])
+    ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--gqa", type=int, default=1)
+    ap.add_argument("--sweep", metavar="KERNEL", help="compile every tile config of a grid for this kernel "
+                    "(fwd, bwd_fused, bwd_dkdv, bwd_dq) instead of the table's choice")
+    ap.add_argument("--json", type=Path)
+    args = ap.parse_args(argv)
+    driver.set_active(_HopperTarget())
+    JITFunction.__getitem__ = _warmup_only
+    rows = []
+    for d in args.d:
+        if args.sweep:
+            for cfg in sweep_grid(args.sweep, d):
+                try:
+                    rows += [r for r in compile_case(d, args.causal, gqa=args.gqa, configs={args.sweep: cfg})
+                             if r["kernel"] == args.sweep]
+                except Exception as e:  # noqa: BLE001 - a config the compiler rejects is reported, not fatal
+                    print(f"{args.sweep} D={d} {cfg}: {type(e).__name__}: {str(e)[:120]}")
+        else:
+            rows += compile_case(d, args.causal, gqa=args.gqa)
+    print(f"{'kernel':11} {'D':>4} {'config':28} {'regs':>4} {'spill':>5} {'smem':>6} {'HGMMA':>5} {'HMMA':>4} "
+          f"{'LDL/STL':>7} {'RED/ATOM':>8}")
+    for r in rows:
+        c = r["config"] or {}
+        cs = f"{c.get('block_m')}x{c.get('block_n')} w{c.get('num_warps')} s{c.get('num_stages')}" if c else "-"
+        s = r["sass"]
+        print(f"{r['kernel']:11} {r['d']:>4} {cs:28} {r['registers']:>4} {r['stack_bytes']:>5} {r['shared_bytes']:>6} "
+              f"{s['HGMMA']:>5} {s['HMMA']:>4} {s['LDL'] + s['STL']:>7} {s['REDG'] + s['ATOMG']:>8}")
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
