@@ -136,9 +136,9 @@ def add_ratios(entries: list[dict], ceil: dict) -> None:
         fp = group.get(FLASHPORT)
         if fp:
             fp["speedup_vs"] = {n: e["ms"] / fp["ms"] for n, e in group.items() if n != FLASHPORT}
-            if fp.get("graph_ms"):
+            if fp.get("graph_ms") and not fp.get("graph_fallback"):   # graph against graph only
                 fp["graph_speedup_vs"] = {n: e["graph_ms"] / fp["graph_ms"] for n, e in group.items()
-                                          if n != FLASHPORT and e.get("graph_ms")}
+                                          if n != FLASHPORT and e.get("graph_ms") and not e.get("graph_fallback")}
 
 
 def run_suite(suite: str, shapes: list[Shape], impls, device, ceil: dict, tick) -> list[dict]:

@@ -23,14 +23,14 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E_K, KernelArgs, dropout_keep, key_tiles, load_tile, mask_scores, query_tiles,
-                     seq_bounds, tile_mask, tile_part, transform_log2)
+                     offset, seq_bounds, tile_mask, tile_part, transform_log2)
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
 
 
 @triton.jit(do_not_specialize=["seqlen_q"])
 def _bwd_preprocess(Out, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
                     stride_lb, stride_lh, seqlen_q, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr):
+                    BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, ALIGN: tl.constexpr):
     """Delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] (float32; laid out like lse)."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
@@ -43,8 +43,8 @@ def _bwd_preprocess(Out, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, stride
     offs_m = start_m + offs_mb
     offs_dv = tl.arange(0, BLOCK_DV)
     b64, h64, row0 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), tl.cast(q_start + start_m, tl.int64)
-    o_ptr = Out + b64 * stride_ob + h64 * stride_oh + row0 * stride_os
-    do_ptr = DO + b64 * stride_dob + h64 * stride_doh + row0 * stride_dos
+    o_ptr = Out + offset(b64, h64, row0, stride_ob, stride_oh, stride_os, ALIGN)
+    do_ptr = DO + offset(b64, h64, row0, stride_dob, stride_doh, stride_dos, ALIGN)
     o = load_tile(o_ptr + offs_mb[:, None] * stride_os + offs_dv[None, :], offs_m[:, None], sq, offs_dv[None, :],
                   DV, True, DV != BLOCK_DV)
     do = load_tile(do_ptr + offs_mb[:, None] * stride_dos + offs_dv[None, :], offs_m[:, None], sq,
@@ -123,7 +123,8 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, DQacc, Slopes, CuQ, CuK, Rng,
               drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ATOMIC_DQ: tl.constexpr):
+              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
+              ALIGN: tl.constexpr):
     pid_n = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -138,10 +139,12 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, DQacc, Slopes, CuQ, CuK, Rng,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     b64, kvh64, row0 = tl.cast(b, tl.int64), tl.cast(kvh, tl.int64), tl.cast(k_start + start_n, tl.int64)
-    k = load_tile(K + b64 * stride_kb + kvh64 * stride_kh + row0 * stride_ks + offs_nb[:, None] * stride_ks
-                  + offs_d[None, :], offs_n[:, None], sk, offs_d[None, :], D, True, D != BLOCK_D)
-    v = load_tile(V + b64 * stride_vb + kvh64 * stride_vh + row0 * stride_vs + offs_nb[:, None] * stride_vs
-                  + offs_dv[None, :], offs_n[:, None], sk, offs_dv[None, :], DV, True, DV != BLOCK_DV)
+    k = load_tile(K + offset(b64, kvh64, row0, stride_kb, stride_kh, stride_ks, ALIGN)
+                  + offs_nb[:, None] * stride_ks + offs_d[None, :], offs_n[:, None], sk, offs_d[None, :], D, True,
+                  D != BLOCK_D)
+    v = load_tile(V + offset(b64, kvh64, row0, stride_vb, stride_vh, stride_vs, ALIGN)
+                  + offs_nb[:, None] * stride_vs + offs_dv[None, :], offs_n[:, None], sk, offs_dv[None, :], DV, True,
+                  DV != BLOCK_DV)
 
     # Q tiles with a row that sees this key tile [lo, hi), of which [full_lo, full_hi) need no mask.
     lo, hi, full_lo, full_hi = query_tiles(start_n, sq, sk, diag, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -160,9 +163,9 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, DQacc, Slopes, CuQ, CuK, Rng,
         if ALIBI:
             slope2 = tl.load(Slopes + b * stride_slope_b + h) * LOG2E_K
         h64 = tl.cast(h, tl.int64)
-        q_ptr = Q + b64 * stride_qb + h64 * stride_qh + q0 * stride_qs
-        do_ptr = DO + b64 * stride_dob + h64 * stride_doh + q0 * stride_dos
-        dq_ptr = DQacc + b64 * stride_dqb + h64 * stride_dqh + q0 * stride_dqs
+        q_ptr = Q + offset(b64, h64, q0, stride_qb, stride_qh, stride_qs, ALIGN)
+        do_ptr = DO + offset(b64, h64, q0, stride_dob, stride_doh, stride_dos, ALIGN)
+        dq_ptr = DQacc + offset(b64, h64, q0, stride_dqb, stride_dqh, stride_dqs, ALIGN)
         lse_ptr = Lse + b64 * stride_lb + h64 * stride_lh + q0
         delta_ptr = Delta + b64 * stride_lb + h64 * stride_lh + q0
         bh = b * n_heads + h
@@ -175,14 +178,14 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, DQacc, Slopes, CuQ, CuK, Rng,
                 dk, dv, k, v, q_ptr + r * stride_qs, do_ptr + r * stride_dos, dq_ptr + r * stride_dqs, lse_ptr,
                 delta_ptr, stride_qs, stride_dos, stride_dqs, p_lo, p_hi, full_lo, full_hi, offs_n, sq, sk, diag,
                 left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale,
-                sm_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, tile_mask(part, SPLIT), HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                DROPOUT, PRECISION, ATOMIC_DQ)
+                sm_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, tile_mask(part, SPLIT), HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                ALIBI, DROPOUT, PRECISION, ATOMIC_DQ)
 
     row_mask = offs_n[:, None] < sk
-    dk_ptr = DK + b64 * stride_dkb + kvh64 * stride_dkh + row0 * stride_dks
+    dk_ptr = DK + offset(b64, kvh64, row0, stride_dkb, stride_dkh, stride_dks, ALIGN)
     tl.store(dk_ptr + offs_nb[:, None] * stride_dks + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=row_mask & (offs_d[None, :] < D))
-    dv_ptr = DVt + b64 * stride_dvb + kvh64 * stride_dvh + row0 * stride_dvs
+    dv_ptr = DVt + offset(b64, kvh64, row0, stride_dvb, stride_dvh, stride_dvs, ALIGN)
     tl.store(dv_ptr + offs_nb[:, None] * stride_dvs + offs_dv[None, :], dv.to(DVt.dtype.element_ty),
              mask=row_mask & (offs_dv[None, :] < DV))
 
@@ -232,7 +235,7 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
             drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
             HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-            PRECISION: tl.constexpr, SPLIT: tl.constexpr):
+            PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -248,10 +251,12 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     b64, h64, row0 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), tl.cast(q_start + start_m, tl.int64)
-    q = load_tile(Q + b64 * stride_qb + h64 * stride_qh + row0 * stride_qs + offs_mb[:, None] * stride_qs
-                  + offs_d[None, :], offs_m[:, None], sq, offs_d[None, :], D, True, D != BLOCK_D)
-    do = load_tile(DO + b64 * stride_dob + h64 * stride_doh + row0 * stride_dos + offs_mb[:, None] * stride_dos
-                   + offs_dv[None, :], offs_m[:, None], sq, offs_dv[None, :], DV, True, DV != BLOCK_DV)
+    q = load_tile(Q + offset(b64, h64, row0, stride_qb, stride_qh, stride_qs, ALIGN)
+                  + offs_mb[:, None] * stride_qs + offs_d[None, :], offs_m[:, None], sq, offs_d[None, :], D, True,
+                  D != BLOCK_D)
+    do = load_tile(DO + offset(b64, h64, row0, stride_dob, stride_doh, stride_dos, ALIGN)
+                   + offs_mb[:, None] * stride_dos + offs_dv[None, :], offs_m[:, None], sq, offs_dv[None, :], DV, True,
+                   DV != BLOCK_DV)
     row_stats = b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64)
     # lse2 is +inf for rows that see no key, and rows past Sq read +inf: P = 0 there, never NaN.
     lse2 = tl.load(Lse + row_stats + offs_m, mask=offs_m < sq, other=float("inf"))
@@ -270,8 +275,8 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
         rng_offset = tl.load(Rng + 1).to(tl.int32)
     bh = b * n_heads + h
     kvh64, k0 = tl.cast(kvh, tl.int64), tl.cast(k_start, tl.int64)
-    k_base = K + b64 * stride_kb + kvh64 * stride_kh + k0 * stride_ks
-    v_base = V + b64 * stride_vb + kvh64 * stride_vh + k0 * stride_vs
+    k_base = K + offset(b64, kvh64, k0, stride_kb, stride_kh, stride_ks, ALIGN)
+    v_base = V + offset(b64, kvh64, k0, stride_vb, stride_vh, stride_vs, ALIGN)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for part in tl.static_range(3 if SPLIT else 1):  # as in the forward (common.py's SPLIT note)
         p_lo, p_hi = tile_part(lo, hi, full_lo, full_hi, part, SPLIT)
@@ -281,7 +286,7 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
                        seed, rng_offset, bh, drop_threshold, drop_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
                        tile_mask(part, SPLIT), HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
                        PRECISION)
-    dq_ptr = DQ + b64 * stride_dqb + h64 * stride_dqh + row0 * stride_dqs
+    dq_ptr = DQ + offset(b64, h64, row0, stride_dqb, stride_dqh, stride_dqs, ALIGN)
     tl.store(dq_ptr + offs_mb[:, None] * stride_dqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < sq) & (offs_d[None, :] < D))
 
@@ -314,6 +319,7 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     if q.numel() == 0 or k.numel() == 0 or spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
         return dq.zero_().to(q.dtype), dk.zero_(), dv.zero_()
     a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state)
+    a.cover(do, out, dq, dk, dv)
     hq, hkv = spec.heads_q, spec.heads_kv
     l_strides = (0, lse2.stride(0)) if varlen else (lse2.stride(0), lse2.stride(1))
     delta = torch.empty_like(lse2)
@@ -321,7 +327,7 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     pre_m = INTERPRETER_CONFIG.block_m if interpreting() else 64
     _bwd_preprocess[(triton.cdiv(spec.seqlen_q, pre_m), hq, spec.batch)](
         out, do, delta, a.cu_q, *o_s, *do_s, *l_strides, a.seqlen_q, DV=spec.head_dim_v, BLOCK_M=pre_m,
-        BLOCK_DV=a.constexprs["BLOCK_DV"], IS_VARLEN=varlen, num_warps=4)
+        BLOCK_DV=a.constexprs["BLOCK_DV"], IS_VARLEN=varlen, ALIGN=a.constexprs["ALIGN"], num_warps=4)
     if dlse is not None:
         delta.sub_(dlse)
     common = (a.slope_stride, a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,

@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LN2_K, LOG2E_K, KernelArgs, dropout_keep, key_tiles, load_tile, mask_scores, seq_bounds,
-                     tile_mask, tile_part, transform_log2)
+from .common import (LN2_K, LOG2E_K, KernelArgs, dropout_keep, key_tiles, load_tile, mask_scores, offset,
+                     seq_bounds, tile_mask, tile_part, transform_log2)
 from .tuning import launch_with_fallback
 
 
@@ -85,7 +85,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
-              PRECISION: tl.constexpr, SPLIT: tl.constexpr, SCALE_FOLD: tl.constexpr):
+              PRECISION: tl.constexpr, SPLIT: tl.constexpr, SCALE_FOLD: tl.constexpr, ALIGN: tl.constexpr):
     # Heaviest Q tiles (largest row index: most keys under causal) are scheduled first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -103,7 +103,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     offs_dv = tl.arange(0, BLOCK_DV)
     # int64 before any multiply by a stride: offsets may pass 2**31 elements.
     b64 = tl.cast(b, tl.int64)
-    q_ptr = Q + b64 * stride_qb + tl.cast(h, tl.int64) * stride_qh + tl.cast(q_start + start_m, tl.int64) * stride_qs
+    q_ptr = Q + offset(b64, h, q_start + start_m, stride_qb, stride_qh, stride_qs, ALIGN)
     q = load_tile(q_ptr + offs_mb[:, None] * stride_qs + offs_d[None, :], offs_m[:, None], sq, offs_d[None, :], D,
                   True, D != BLOCK_D)
 
@@ -120,8 +120,8 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
         rng_offset = tl.load(Rng + 1).to(tl.int32)
     bh = b * n_heads + h
 
-    k_base = K + b64 * stride_kb + tl.cast(kvh, tl.int64) * stride_kh + tl.cast(k_start, tl.int64) * stride_ks
-    v_base = V + b64 * stride_vb + tl.cast(kvh, tl.int64) * stride_vh + tl.cast(k_start, tl.int64) * stride_vs
+    k_base = K + offset(b64, kvh, k_start, stride_kb, stride_kh, stride_ks, ALIGN)
+    v_base = V + offset(b64, kvh, k_start, stride_vb, stride_vh, stride_vs, ALIGN)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -141,7 +141,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     l_safe = tl.where(empty, 1.0, l_i)
     out = acc * (drop_scale / l_safe)[:, None]
     lse = tl.where(empty, float("-inf"), (m_i + tl.log2(l_safe)) * LN2_K)
-    o_ptr = Out + b64 * stride_ob + tl.cast(h, tl.int64) * stride_oh + tl.cast(q_start + start_m, tl.int64) * stride_os
+    o_ptr = Out + offset(b64, h, q_start + start_m, stride_ob, stride_oh, stride_os, ALIGN)
     tl.store(o_ptr + offs_mb[:, None] * stride_os + offs_dv[None, :], out.to(Out.dtype.element_ty),
              mask=(offs_m[:, None] < sq) & (offs_dv[None, :] < DV))
     row_stats = b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + tl.cast(q_start, tl.int64)
@@ -178,6 +178,7 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
         return out, lse, lse2.fill_(float("inf"))
     a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state)
     scale_fold = spec.softmax_scale > 0 and spec.softcap == 0 and alibi is None
+    a.cover(out)
 
     def launch(cfg):
         grid = (triton.cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)

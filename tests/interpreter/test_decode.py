@@ -335,3 +335,51 @@ def test_strided_cache_seqlens_and_block_table(paged):
                                             block_table=None if table is None else table.contiguous(),
                                             backend="reference")
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_tile_page_lookup_matches_per_key_lookup(monkeypatch):
+    """BLOCK_N dividing the page switches to one block-table lookup per tile; the per-key lookup
+    reads the same keys in the same order, so both forms agree bit for bit (NaN-poisoned pages
+    outside the valid lengths catch a tile read from the wrong page)."""
+    from flashport.kernels import decode
+    case = KV(lens=(5, 47, 90), cap=96, page=32, hkv=2, sq=2, s_new=1, block_n=16, num_splits=3)
+    out_tile, lse_tile = check(case)
+    q, k_cache, v_cache, k_new, v_new, lens, bt, slopes = make(case)
+    spec, inputs, _ = kvcache_spec(q, k_cache, v_cache, k_new, v_new, cache_seqlens=lens, block_table=bt,
+                                   return_lse=True, **_kw(case, slopes))
+    assert decode.plan_for(spec, q.device, block_n=16).constexprs["TILE_IN_PAGE"]
+    assert not decode.plan_for(spec, q.device, block_n=64).constexprs["TILE_IN_PAGE"]   # 64 does not divide 32
+    monkeypatch.setattr(decode, "TILE_PAGE_LOOKUP", False)
+    assert not decode.plan_for(spec, q.device, block_n=16).constexprs["TILE_IN_PAGE"]
+    out_key, lse_key = check(case)
+    assert torch.equal(out_tile, out_key) and torch.equal(lse_tile, lse_key)
+
+
+def test_launch_plan_is_memoised_and_follows_the_tuning_constants(monkeypatch):
+    """Repeated calls reuse one plan (same answer, cache hits); a retune of WAVES reaches the key."""
+    from flashport.kernels import decode, splitkv
+    case = KV(lens=(7, 100), cap=112, page=16, sq=2, s_new=0, hkv=2, num_splits=None)
+    q, k_cache, v_cache, _, _, lens, bt, slopes = make(case)
+    spec, inputs, _ = kvcache_spec(q, k_cache, v_cache, None, None, cache_seqlens=lens, block_table=bt,
+                                   return_lse=True, **_kw(case, slopes))
+    first = kvcache_attention(spec, inputs)
+    hits = decode.launch_plan.cache_info().hits
+    again = kvcache_attention(spec, inputs)
+    assert decode.launch_plan.cache_info().hits == hits + 1
+    assert all(torch.equal(a, b) for a, b in zip(first, again))
+    assert decode.plan_for(spec, q.device) is decode.plan_for(spec, q.device)
+    monkeypatch.setattr(splitkv, "WAVES", 4)                   # 4 programs on 2 "SMs": split in two ...
+    assert decode.plan_for(spec, q.device).num_splits == 2
+    monkeypatch.setattr(splitkv, "WAVES", 1)                   # ... one wave is already full: no split
+    assert decode.plan_for(spec, q.device).num_splits == 1
+
+
+def test_split_heuristic_waves_and_stage_override():
+    # More waves never means fewer splits for a small grid; WAVES is read at call time.
+    splits = [choose_num_splits(programs=8, n_tiles=512, sms=132, waves=w) for w in (1, 2, 4, 8)]
+    assert splits == sorted(splits) and splits[0] < splits[-1]
+    assert choose_num_splits(programs=8, n_tiles=512, sms=132) == choose_num_splits(8, 512, 132, waves=4)
+    # A forced stage count is kept (not lowered to fit); without it the default is lowered instead.
+    assert choose_config(4, 128, 128, 2, 227 * 1024, interpreter=False, num_stages=5).num_stages == 5
+    assert choose_config(4, 128, 128, 2, 40 * 1024, interpreter=False, num_stages=5) is None
+    assert choose_config(4, 128, 128, 2, 40 * 1024, interpreter=False).num_stages < 3

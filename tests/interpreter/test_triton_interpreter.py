@@ -306,3 +306,20 @@ def test_shipped_config_table_is_valid():
         for n in (cfg.block_m, cfg.block_n):
             assert n >= 16 and n & (n - 1) == 0, key
         assert cfg.num_warps in (4, 8) and 1 <= cfg.num_stages <= 4, key
+
+
+@pytest.mark.parametrize("d, expected", [(64, 16), (80, 16), (72, 8), (40, 8), (36, 4), (33, 1)])
+def test_alignment_hint_is_what_the_strides_share(d, expected):
+    """ALIGN (kernels.common.offset) may only claim what every batch / sequence / head stride divides:
+    a hint that overclaims makes the GPU issue misaligned vector loads."""
+    from flashport.kernels.common import KernelArgs
+    from flashport.spec import dense_spec
+    q, k, v = (torch.randn(1, 5, 2, d) for _ in range(3))
+    spec, _ = dense_spec(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+    a = KernelArgs(spec, q, k, v)
+    assert a.constexprs["ALIGN"] == expected
+    a.cover(torch.randn(3, 7, 2, d)[:, 1:])  # a sliced view keeps the strides: same answer
+    assert a.constexprs["ALIGN"] == expected
+    a.cover(torch.randn(1, 5, 2, 2 * d + 1)[..., :d])  # row stride 2d + 1: odd
+    assert a.constexprs["ALIGN"] == 1
