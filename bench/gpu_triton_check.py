@@ -47,6 +47,7 @@ CORRECTNESS = [  # (B, S, Hq, Hkv, D, causal)
     (1, 2048, 4, 2, 128, False),
     (1, 1024, 4, 4, 256, True),
     (2, 777, 6, 2, 80, True),
+    (2, 600, 4, 4, 72, False),  # head stride 72: the ALIGN hint path
 ]
 
 
@@ -174,6 +175,10 @@ def _triton(q, k, v, causal):
     return flashport.attention(q, k, v, causal=causal, backend="triton")
 
 
+def _triton_det(q, k, v, causal):  # the deterministic backward schedule (no atomics, separate dQ kernel)
+    return flashport.attention(q, k, v, causal=causal, deterministic=True, backend="triton")
+
+
 def bench_one(fn, b, s, h, d, causal, rep):
     import triton.testing
     q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -186,7 +191,7 @@ def bench_one(fn, b, s, h, d, causal, rep):
 
 
 def speed(budget_s: float, rep: int):
-    impls = {"triton": _triton, "fa2": _sdpa("fa2"), "cudnn": _sdpa("cudnn")}
+    impls = {"triton": _triton, "triton_det": _triton_det, "fa2": _sdpa("fa2"), "cudnn": _sdpa("cudnn")}
     rows = []
     for d in (64, 128, 256):
         for s in (1024, 4096, 16384):
@@ -205,7 +210,7 @@ def speed(budget_s: float, rep: int):
                     except Exception as e:  # noqa: BLE001 - e.g. cuDNN without this head dim
                         row[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
                     torch.cuda.empty_cache()
-                for peer in ("fa2", "cudnn"):
+                for peer in ("fa2", "cudnn", "triton_det"):
                     if "fwd_ms" in row["triton"] and "fwd_ms" in row[peer]:
                         row[f"fwd_vs_{peer}"] = row[peer]["fwd_ms"] / row["triton"]["fwd_ms"]
                         row[f"bwd_vs_{peer}"] = row[peer]["bwd_ms"] / row["triton"]["bwd_ms"]
@@ -223,7 +228,7 @@ def _fmt(row) -> str:
             f"{tf('triton', 'fwd_tflops')} fa2 {tf('fa2', 'fwd_tflops')} cudnn {tf('cudnn', 'fwd_tflops')} "
             f"x{ratio('fwd_vs_fa2')} x{ratio('fwd_vs_cudnn')} | bwd triton {tf('triton', 'bwd_tflops')} "
             f"fa2 {tf('fa2', 'bwd_tflops')} cudnn {tf('cudnn', 'bwd_tflops')} x{ratio('bwd_vs_fa2')} "
-            f"x{ratio('bwd_vs_cudnn')}")
+            f"x{ratio('bwd_vs_cudnn')} | det bwd {tf('triton_det', 'bwd_tflops')}")
 
 
 def main():

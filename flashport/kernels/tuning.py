@@ -109,13 +109,16 @@ def _c(*rows):
 # checked against ptxas reports for sm_90a (no register spills in the first entries).
 _FWD_64 = _c((128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 1))
 _DKDV_64 = _c((16, 128, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (16, 32, 4, 1))
-# The fused kernel also holds a [block_m, D] dQ product and stages dS for a third dot: Q tiles of
-# 64 rows as in FlashAttention-2's Hopper/Ampere backward, 32 where registers run short.
-_FUSED_64 = _c((64, 64, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (16, 32, 4, 1))
+# The fused kernel also holds a [block_m, D] dQ product and stages dS for a third dot.  Candidates are
+# the configs that compile for sm_90a without spills and with every dot on HGMMA (block_m >= 64; a
+# 32-row tile puts the dQ dot on the older HMMA path), per bench/compile_report.py --sweep bwd_fused;
+# at D = 256 every config spills or falls back to HMMA somewhere, the least-bad ones are listed.
+_FUSED_64 = _c((64, 64, 4, 3), (64, 128, 8, 3), (64, 64, 8, 3), (32, 128, 8, 3), (32, 64, 4, 3), (16, 32, 4, 1))
 _DQ_64 = _c((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2), (32, 16, 4, 1))
 _DEFAULTS_16BIT = {
     "fwd": {16: _FWD_64, 32: _FWD_64, 64: _FWD_64,
-            128: _c((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 2), (128, 64, 8, 2), (64, 32, 4, 1)),
+            128: _c((128, 64, 8, 3), (128, 128, 8, 3), (64, 64, 4, 3), (64, 128, 8, 2), (64, 128, 4, 2),
+                    (64, 32, 4, 1)),
             256: _c((128, 64, 8, 2), (128, 32, 8, 3), (128, 32, 8, 2), (64, 32, 8, 2), (64, 32, 4, 1),
                     (32, 32, 4, 1))},
     "bwd_dkdv": {16: _DKDV_64, 32: _DKDV_64, 64: _DKDV_64,
@@ -123,8 +126,9 @@ _DEFAULTS_16BIT = {
                  256: _c((32, 64, 8, 1), (32, 64, 8, 2), (64, 32, 8, 1), (16, 64, 8, 2), (32, 32, 8, 1),
                          (16, 32, 4, 1))},
     "bwd_fused": {16: _FUSED_64, 32: _FUSED_64, 64: _FUSED_64,
-                  128: _c((64, 128, 8, 2), (32, 128, 8, 3), (64, 64, 4, 3), (64, 64, 8, 2), (16, 32, 4, 1)),
-                  256: _c((32, 64, 8, 1), (64, 64, 8, 1), (32, 64, 8, 2), (16, 64, 8, 2), (32, 32, 8, 1),
+                  128: _c((64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 2), (64, 128, 8, 1), (64, 64, 8, 1),
+                          (16, 32, 4, 1)),
+                  256: _c((32, 64, 8, 1), (16, 64, 8, 2), (32, 32, 8, 1), (64, 32, 8, 1), (32, 64, 8, 2),
                           (16, 32, 4, 1))},
     "bwd_dq": {16: _DQ_64, 32: _DQ_64, 64: _DQ_64,
                128: _c((128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 2), (64, 32, 4, 2), (32, 16, 4, 1)),
