@@ -1,7 +1,7 @@
 """Compile flashport's attention kernels for Hopper (sm_90a) on a machine without a GPU and report
 what the compiler made of them: registers, spills (local memory), shared memory, and the SASS
 instructions that matter (HGMMA = Hopper tensor-core MMA; HMMA = the older, slower path;
-LDL/STL = spill traffic; RED/ATOM = the atomics of the fused backward).
+LDL/STL = spill traffic; REDG/ATOMG = global atomics).
 
     python bench/compile_report.py                      # default configs, D in {64, 128, 256}
     python bench/compile_report.py --d 128 --json out.json
@@ -81,33 +81,28 @@ def report(kernel) -> dict:
 
 
 def compile_case(d: int, causal: bool, dtype=torch.bfloat16, gqa: int = 1, configs: dict | None = None) -> list:
-    """Compile fwd + backward (both schedules) for one head dim; returns report rows."""
+    """Compile the forward and backward kernels for one head dim; returns report rows."""
     from flashport.kernels import attn_bwd, attn_fwd, tuning
     from flashport.spec import dense_spec
 
     b, s, hkv = 1, 256, 2
     q = torch.randn(b, s, hkv * gqa, d, dtype=dtype)
     k, v = (torch.randn(b, s, hkv, d, dtype=dtype) for _ in range(2))
+    spec, _ = dense_spec(q, k, v, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+    bucket = tuning.head_bucket(spec)
+    cfg = {kn: (configs or {}).get(kn) or _table_or_default(kn, bucket, spec) for kn in tuning.KERNELS}
+    _compiled.clear()
+    out = torch.empty(b, s, hkv * gqa, d, dtype=dtype)
+    attn_fwd.forward(spec, q, k, v, config=cfg["fwd"])
+    attn_bwd.backward(spec, torch.randn_like(out), q, k, v, out, torch.zeros(b, hkv * gqa, s), configs=cfg)
+    names = {"_attn_fwd": "fwd", "_bwd_dkdv": "bwd_dkdv", "_bwd_dq": "bwd_dq", "_bwd_preprocess": "preprocess"}
     rows = []
-    for deterministic in (False, True):
-        spec, _ = dense_spec(q, k, v, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                             alibi_slopes=None, dropout_p=0.0, deterministic=deterministic, return_lse=False)
-        bucket = tuning.head_bucket(spec)
-        kernels = ("fwd", "bwd_dkdv", "bwd_dq") if deterministic else ("fwd", "bwd_fused")
-        cfg = {kn: (configs or {}).get(kn) or _table_or_default(kn, bucket, spec) for kn in kernels}
-        _compiled.clear()
-        out = torch.empty(b, s, hkv * gqa, d, dtype=dtype)
-        lse2 = torch.zeros(b, hkv * gqa, s)
-        if not deterministic:
-            attn_fwd.forward(spec, q, k, v, config=cfg["fwd"])
-        attn_bwd.backward(spec, torch.randn_like(out), q, k, v, out, lse2, configs=cfg)
-        for name, kwargs, ck in _compiled:
-            kn = {"_attn_fwd": "fwd", "_bwd_dq": "bwd_dq", "_bwd_preprocess": "preprocess"}.get(name)
-            if name == "_bwd_dkdv":
-                kn = "bwd_dkdv" if deterministic else "bwd_fused"
-            c = cfg.get(kn)
-            rows.append({"kernel": kn, "d": d, "causal": causal, "gqa": gqa, "dtype": str(dtype).split(".")[-1],
-                         "config": None if c is None else asdict(c), **report(ck)})
+    for name, _, ck in _compiled:
+        kn = names.get(name, name)
+        c = cfg.get(kn)
+        rows.append({"kernel": kn, "d": d, "causal": causal, "gqa": gqa, "dtype": str(dtype).split(".")[-1],
+                     "config": None if c is None else asdict(c), **report(ck)})
     return rows
 
 
@@ -133,7 +128,7 @@ def main(argv=None) -> int:
     ap.add_argument("--causal", action="store_true")
     ap.add_argument("--gqa", type=int, default=1)
     ap.add_argument("--sweep", metavar="KERNEL", help="compile every tile config of a grid for this kernel "
-                    "(fwd, bwd_fused, bwd_dkdv, bwd_dq) instead of the table's choice")
+                    "(fwd, bwd_dkdv, bwd_dq) instead of the table's choice")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     driver.set_active(_HopperTarget())

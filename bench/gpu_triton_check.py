@@ -102,8 +102,7 @@ def _compile_worker(job):
         cfg = KernelConfig(*cfg)
         q, k, v = (torch.randn(b, 256, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(3))
         spec, _ = dense_spec(q, k, v, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                             alibi_slopes=None, dropout_p=0.0, deterministic=kernel in ("bwd_dkdv", "bwd_dq"),
-                             return_lse=False)
+                             alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
         if kernel == "fwd":
             attn_fwd.forward(spec, q, k, v, config=cfg)
         else:
@@ -175,10 +174,6 @@ def _triton(q, k, v, causal):
     return flashport.attention(q, k, v, causal=causal, backend="triton")
 
 
-def _triton_det(q, k, v, causal):  # the deterministic backward schedule (no atomics, separate dQ kernel)
-    return flashport.attention(q, k, v, causal=causal, deterministic=True, backend="triton")
-
-
 def bench_one(fn, b, s, h, d, causal, rep):
     import triton.testing
     q, k, v, do = (torch.randn(b, s, h, d, device="cuda", dtype=torch.bfloat16) for _ in range(4))
@@ -191,7 +186,7 @@ def bench_one(fn, b, s, h, d, causal, rep):
 
 
 def speed(budget_s: float, rep: int):
-    impls = {"triton": _triton, "triton_det": _triton_det, "fa2": _sdpa("fa2"), "cudnn": _sdpa("cudnn")}
+    impls = {"triton": _triton, "fa2": _sdpa("fa2"), "cudnn": _sdpa("cudnn")}
     rows = []
     for d in (64, 128, 256):
         for s in (1024, 4096, 16384):
@@ -210,7 +205,7 @@ def speed(budget_s: float, rep: int):
                     except Exception as e:  # noqa: BLE001 - e.g. cuDNN without this head dim
                         row[name] = dict(error=f"{type(e).__name__}: {str(e).splitlines()[0][:120]}")
                     torch.cuda.empty_cache()
-                for peer in ("fa2", "cudnn", "triton_det"):
+                for peer in ("fa2", "cudnn"):
                     if "fwd_ms" in row["triton"] and "fwd_ms" in row[peer]:
                         row[f"fwd_vs_{peer}"] = row[peer]["fwd_ms"] / row["triton"]["fwd_ms"]
                         row[f"bwd_vs_{peer}"] = row[peer]["bwd_ms"] / row["triton"]["bwd_ms"]
@@ -228,7 +223,7 @@ def _fmt(row) -> str:
             f"{tf('triton', 'fwd_tflops')} fa2 {tf('fa2', 'fwd_tflops')} cudnn {tf('cudnn', 'fwd_tflops')} "
             f"x{ratio('fwd_vs_fa2')} x{ratio('fwd_vs_cudnn')} | bwd triton {tf('triton', 'bwd_tflops')} "
             f"fa2 {tf('fa2', 'bwd_tflops')} cudnn {tf('cudnn', 'bwd_tflops')} x{ratio('bwd_vs_fa2')} "
-            f"x{ratio('bwd_vs_cudnn')} | det bwd {tf('triton_det', 'bwd_tflops')}")
+            f"x{ratio('bwd_vs_cudnn')}")
 
 
 def main():
@@ -237,8 +232,7 @@ def main():
     ap.add_argument("--budget", type=float, default=400.0, help="seconds; later parts stop when reached")
     ap.add_argument("--tune", action="store_true", help="time candidate configs and write triton_configs.json")
     ap.add_argument("--tune-causal", action="store_true", help="also tune causal keys (else full stands in)")
-    ap.add_argument("--tune-kernels", nargs="*", default=["fwd", "bwd_fused"],
-                    help="kernels to tune (bwd_dkdv and bwd_dq serve deterministic=True)")
+    ap.add_argument("--tune-kernels", nargs="*", default=["fwd", "bwd_dkdv", "bwd_dq"], help="kernels to tune")
     ap.add_argument("--tune-budget", type=float, default=None, help="seconds at which tuning stops")
     ap.add_argument("--rep", type=int, default=60, help="do_bench rep (ms)")
     args = ap.parse_args()

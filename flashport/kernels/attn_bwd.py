@@ -1,15 +1,15 @@
-"""FlashAttention-2 backward in Triton: no N x N tensor in memory; dQ by float32 atomics, or without
-atomics when deterministic=True.
+"""FlashAttention-2 backward in Triton: no N x N tensor in memory, no atomics (bitwise deterministic).
 
 Kernels:
   1. `_bwd_preprocess`: Delta = rowsum(dO * O)                      [per query row, float32]
   2. `_bwd_dkdv`: one program per (K/V tile, kv head, batch entry).  K and V stay on chip; for each
      of the G query heads that share this kv head (GQA: K/V are never expanded) it streams the Q
      tiles that can see the tile and accumulates dK, dV in registers: the group reduction happens
-     inside the program, in a fixed order.  By default (ATOMIC_DQ) it also adds each Q tile's
-     dQ contribution dS K to a float32 buffer with atomics, as FlashAttention-2 does.
-  3. `_bwd_dq` (deterministic=True only): one program per (Q tile, query head, batch entry) streaming
-     K/V tiles, so that no addition depends on scheduling and the backward is bitwise reproducible.
+     inside the program, in a fixed order.
+  3. `_bwd_dq`: one program per (Q tile, query head, batch entry) streaming K/V tiles.
+No addition depends on scheduling, so every backward is bitwise reproducible (deterministic=True costs
+nothing).  FlashAttention-2 instead adds dQ from the dK/dV kernel with float32 atomics (5 matmuls per
+tile pair instead of 7); that variant was built and measured here and lost: docs/PERFLOG.md row 6.
 All recompute P = exp2(s2 - lse2) from the saved LSE.  Equivalent PyTorch math:
     dV = (P * Z)^T dO,   dP = (dO V^T) * Z,   dS = P * (dP - Delta) * dsoftcap,
     dQ = scale * dS K,   dK = scale * dS^T Q     (the kernels fold scale into dS)
@@ -54,22 +54,20 @@ def _bwd_preprocess(Out, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, stride
 
 
 @triton.jit
-def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, stride_qs, stride_dos, stride_dqs, lo, hi,
+def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_dos, lo, hi,
                 full_lo, full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed,
                 rng_offset, bh, drop_threshold, drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-                DROPOUT: tl.constexpr, PRECISION: tl.constexpr, ATOMIC_DQ: tl.constexpr):
-    """Accumulate dK, dV over Q tiles [lo, hi) of one query head; q_ptr / do_ptr / dq_ptr at row lo,
-    lse_ptr / delta_ptr at row 0; Q tiles in [full_lo, full_hi) need no mask (MASK == 2).  Works on
-    transposed scores s^T [BLOCK_N, BLOCK_M].  dS carries softmax_scale, so dK needs no epilogue
-    scaling; with ATOMIC_DQ each Q tile's dQ contribution dS K is added to the float32 dq_ptr."""
+                DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+    """Accumulate dK, dV over Q tiles [lo, hi) of one query head; q_ptr / do_ptr at row lo, lse_ptr /
+    delta_ptr at row 0; Q tiles in [full_lo, full_hi) need no mask (MASK == 2).  Works on transposed
+    scores s^T [BLOCK_N, BLOCK_M].  dS carries softmax_scale, so dK needs no epilogue scaling."""
     offs_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_offs = offs_mb[:, None] * stride_qs + offs_d[None, :]
     do_offs = offs_mb[:, None] * stride_dos + offs_dv[None, :]
-    dq_offs = offs_mb[:, None] * stride_dqs + offs_d[None, :]
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_mb
         q = load_tile(q_ptr + q_offs, offs_m[:, None], sq, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
@@ -99,32 +97,22 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, dq_ptr, lse_ptr, delta_ptr, stride_
         ds_t = p_t * (dp_t * sm_scale - (delta * sm_scale)[None, :])
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
-        ds_c = ds_t.to(q.dtype)
-        dk += tl.dot(ds_c, q, input_precision=PRECISION)
-        if ATOMIC_DQ:
-            dq = tl.dot(tl.trans(ds_c), k, input_precision=PRECISION)
-            if MASK != 0:
-                dq_mask = (offs_m[:, None] < sq) & (offs_d[None, :] < D)
-            else:
-                dq_mask = (offs_mb[:, None] >= 0) & (offs_d[None, :] < D)
-            tl.atomic_add(dq_ptr + dq_offs, dq, mask=dq_mask, sem="relaxed")
+        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
         q_ptr += BLOCK_M * stride_qs
         do_ptr += BLOCK_M * stride_dos
-        dq_ptr += BLOCK_M * stride_dqs
     return dk, dv
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
-def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, DQacc, Slopes, CuQ, CuK, Rng,
+def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
               stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
-              stride_dvb, stride_dvs, stride_dvh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
+              stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh,
               stride_slope_b, seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold,
               drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ATOMIC_DQ: tl.constexpr,
-              ALIGN: tl.constexpr):
+              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr):
     pid_n = tl.program_id(0)
     kvh = tl.program_id(1)
     b = tl.program_id(2)
@@ -165,7 +153,6 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, DQacc, Slopes, CuQ, CuK, Rng,
         h64 = tl.cast(h, tl.int64)
         q_ptr = Q + offset(b64, h64, q0, stride_qb, stride_qh, stride_qs, ALIGN)
         do_ptr = DO + offset(b64, h64, q0, stride_dob, stride_doh, stride_dos, ALIGN)
-        dq_ptr = DQacc + offset(b64, h64, q0, stride_dqb, stride_dqh, stride_dqs, ALIGN)
         lse_ptr = Lse + b64 * stride_lb + h64 * stride_lh + q0
         delta_ptr = Delta + b64 * stride_lb + h64 * stride_lh + q0
         bh = b * n_heads + h
@@ -175,11 +162,11 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, DQacc, Slopes, CuQ, CuK, Rng,
             p_lo, p_hi = tile_part(lo, hi, full_lo, full_hi, part, SPLIT)
             r = tl.cast(p_lo, tl.int64)
             dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_ptr + r * stride_qs, do_ptr + r * stride_dos, dq_ptr + r * stride_dqs, lse_ptr,
-                delta_ptr, stride_qs, stride_dos, stride_dqs, p_lo, p_hi, full_lo, full_hi, offs_n, sq, sk, diag,
+                dk, dv, k, v, q_ptr + r * stride_qs, do_ptr + r * stride_dos, lse_ptr,
+                delta_ptr, stride_qs, stride_dos, p_lo, p_hi, full_lo, full_hi, offs_n, sq, sk, diag,
                 left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale,
                 sm_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, tile_mask(part, SPLIT), HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                ALIBI, DROPOUT, PRECISION, ATOMIC_DQ)
+                ALIBI, DROPOUT, PRECISION)
 
     row_mask = offs_n[:, None] < sk
     dk_ptr = DK + offset(b64, kvh64, row0, stride_dkb, stride_dkh, stride_dks, ALIGN)
@@ -296,28 +283,17 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     """Gradients (dq, dk, dv) shaped like q, k, v, given dO shaped like out and the forward's out and
     lse2 (its log2-domain lse, see attn_fwd.forward).
     dlse: optional gradient of the lse output (d lse / d s = P, so it folds into Delta: Delta - dlse).
-    configs: optional {"bwd_fused" | "bwd_dkdv" | "bwd_dq": KernelConfig} to force (autotuning).
-
-    Two schedules:
-    - default ("bwd_fused"): the dK/dV kernel also forms each Q tile's dQ contribution dS K and adds it
-      to a float32 buffer with atomics: 5 matmuls per tile pair as in FlashAttention-2, but the order of
-      the additions varies from run to run (not bitwise reproducible);
-    - deterministic=True ("bwd_dkdv" + "bwd_dq"): a separate dQ kernel recomputes P and dP per Q tile
-      (7 matmuls per tile pair, no atomics): bitwise reproducible."""
+    configs: optional {"bwd_dkdv": KernelConfig, "bwd_dq": KernelConfig} to force (autotuning)."""
     varlen = spec.kind == "varlen"
-    atomic_dq = not spec.deterministic
     if do.stride(-1) != 1:
         do = do.contiguous()
     # Varlen rows past cu_seqlens[-1] are never written by a program: their gradients are zero.
     alloc = torch.zeros if varlen else torch.empty
-    if atomic_dq:
-        dq = torch.zeros(q.shape, dtype=torch.float32, device=q.device)  # the atomics' accumulator
-    else:
-        dq = alloc(q.shape, dtype=q.dtype, device=q.device)
+    dq = alloc(q.shape, dtype=q.dtype, device=q.device)
     dk = alloc(k.shape, dtype=k.dtype, device=k.device)
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0 or spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
-        return dq.zero_().to(q.dtype), dk.zero_(), dv.zero_()
+        return dq.zero_(), dk.zero_(), dv.zero_()
     a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state)
     a.cover(do, out, dq, dk, dv)
     hq, hkv = spec.heads_q, spec.heads_kv
@@ -336,11 +312,10 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
 
     def launch_dkdv(cfg):
         grid = (triton.cdiv(spec.seqlen_k, cfg.block_n), hkv, spec.batch)
-        _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk, dv, dq, a.slopes, a.cu_q, a.cu_k, a.rng,
+        _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk, dv, a.slopes, a.cu_q, a.cu_k, a.rng,
                         *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk), *a.strides(dv),
-                        *a.strides(dq), *l_strides, *common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                        SPLIT=cfg.split, ATOMIC_DQ=atomic_dq, num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-                        **a.constexprs)
+                        *l_strides, *common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
 
     def launch_dq(cfg):
         grid = (triton.cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
@@ -349,9 +324,6 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, num_warps=cfg.num_warps,
                       num_stages=cfg.num_stages, **a.constexprs)
 
-    if atomic_dq:
-        launch_with_fallback("bwd_fused", spec, q.device, launch_dkdv, configs.get("bwd_fused"))
-        return dq.to(q.dtype), dk, dv
     launch_with_fallback("bwd_dkdv", spec, q.device, launch_dkdv, configs.get("bwd_dkdv"))
     launch_with_fallback("bwd_dq", spec, q.device, launch_dq, configs.get("bwd_dq"))
     return dq, dk, dv

@@ -223,7 +223,7 @@ def launch_plan(spec, sms: int, smem: int, interpreter: bool, tf32: bool, num_sp
     """Tiles, split count and constexprs for `spec` (None: no tile configuration fits `smem`).
 
     A pure function of its arguments, memoised: the per-call host work of a decode step is then the
-    allocations and the two launches.  waves / min_tiles are splitkv's WAVES / MIN_TILES_PER_SPLIT,
+    allocations and the two launches.  waves / min_tiles are splitkv's waves_for() / MIN_TILES_PER_SPLIT,
     passed in so that a retune of those constants reaches the cache key."""
     cfg = _config(spec, smem, interpreter, block_m, block_n, num_stages)
     if cfg is None:
@@ -253,7 +253,8 @@ def plan_for(spec, device: torch.device, *, num_splits=None, block_m=None, block
     """launch_plan with this process's current settings (device facts, env switches, tuning constants)."""
     interp = interpreting()
     return launch_plan(spec, sm_count(device), smem_limit(device), interp, _allow_tf32(), num_splits, block_m,
-                       block_n, num_stages, splitkv.WAVES, 1 if interp else splitkv.MIN_TILES_PER_SPLIT,
+                       block_n, num_stages, splitkv.waves_for(spec.paged),
+                       1 if interp else splitkv.MIN_TILES_PER_SPLIT,
                        TILE_PAGE_LOOKUP)
 
 

@@ -18,11 +18,19 @@ import torch
 
 MAX_SPLITS = 128
 INTERPRETER_SMS = 2          # a tiny "GPU" so the interpreter tests exercise splitting
-# Programs per SM we aim for.  On the H200 (results/bench_decode.json) 512 programs of 4096 keys
-# read K/V at 87-97% of copy bandwidth, while 2 waves (256 programs at 16 x 8192) reached only 32-36%:
-# a decode program is latency-bound on its own loop, so more of them must be in flight per SM.
-WAVES = 4
+# Programs per SM we aim for, by cache layout, from graph-replay timings on an H200
+# (results/decode_probe_h200.json, 32/8 heads, D = 128).  A paged program waits on a block-table load
+# before each K/V tile, so several must be in flight per SM: at 16 x 8192, page 16 reads at 87% with
+# 4 splits (4 waves) and 43% with 1.  A dense program streams contiguous rows and keeps enough loads in
+# flight by itself: 1 split reads at 91%, 2 at 93%, 4 (4 waves) at 82%, and at 1 x 32768 one wave of
+# splits (16) beats 57 splits by 1.5x; extra programs only add merge work and tail.
+WAVES = 4           # paged caches
+WAVES_DENSE = 1
 MIN_TILES_PER_SPLIT = 2      # on a GPU each split streams at least this many BLOCK_N tiles
+
+
+def waves_for(paged: bool) -> int:
+    return WAVES if paged else WAVES_DENSE
 
 
 def interpreting() -> bool:

@@ -8,9 +8,8 @@
   (the first one that launches is remembered per key).
 - `autotune(...)` times candidates on the current GPU and writes the table (run on the GPU).
 
-Kernels: "fwd" (block_m = Q tile, block_n = K/V tile), "bwd_fused" (the dK/dV kernel adding dQ with
-atomics: block_n = K/V tile it owns, block_m = Q tile it streams), and for deterministic=True
-"bwd_dkdv" (same tiles, no dQ) and "bwd_dq" (block_m = Q tile it owns, block_n = K/V tile it streams).
+Kernels: "fwd" (block_m = Q tile, block_n = K/V tile), "bwd_dkdv" (block_n = K/V tile it owns,
+block_m = Q tile it streams), "bwd_dq" (block_m = Q tile it owns, block_n = K/V tile it streams).
 `split` picks the loop structure: one pipelined loop with boundary tiles masked behind a run-time
 branch (default), or separate loops for boundary and full tiles.
 warp_specialize is never used: a probe on Triton 3.6 / H100 gave NaN with it.
@@ -27,7 +26,7 @@ from typing import Callable, Optional
 import torch
 
 CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "triton_configs.json"
-KERNELS = ("fwd", "bwd_fused", "bwd_dkdv", "bwd_dq")
+KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
 
 
 @dataclass(frozen=True)
@@ -109,11 +108,6 @@ def _c(*rows):
 # checked against ptxas reports for sm_90a (no register spills in the first entries).
 _FWD_64 = _c((128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 1))
 _DKDV_64 = _c((16, 128, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (16, 32, 4, 1))
-# The fused kernel also holds a [block_m, D] dQ product and stages dS for a third dot.  Candidates are
-# the configs that compile for sm_90a without spills and with every dot on HGMMA (block_m >= 64; a
-# 32-row tile puts the dQ dot on the older HMMA path), per bench/compile_report.py --sweep bwd_fused;
-# at D = 256 every config spills or falls back to HMMA somewhere, the least-bad ones are listed.
-_FUSED_64 = _c((64, 64, 4, 3), (64, 128, 8, 3), (64, 64, 8, 3), (32, 128, 8, 3), (32, 64, 4, 3), (16, 32, 4, 1))
 _DQ_64 = _c((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2), (32, 16, 4, 1))
 _DEFAULTS_16BIT = {
     "fwd": {16: _FWD_64, 32: _FWD_64, 64: _FWD_64,
@@ -125,11 +119,6 @@ _DEFAULTS_16BIT = {
                  128: _c((32, 128, 8, 3), (64, 128, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (16, 32, 4, 1)),
                  256: _c((32, 64, 8, 1), (32, 64, 8, 2), (64, 32, 8, 1), (16, 64, 8, 2), (32, 32, 8, 1),
                          (16, 32, 4, 1))},
-    "bwd_fused": {16: _FUSED_64, 32: _FUSED_64, 64: _FUSED_64,
-                  128: _c((64, 64, 8, 2), (64, 64, 8, 3), (32, 128, 8, 2), (64, 128, 8, 1), (64, 64, 8, 1),
-                          (16, 32, 4, 1)),
-                  256: _c((32, 64, 8, 1), (16, 64, 8, 2), (32, 32, 8, 1), (64, 32, 8, 1), (32, 64, 8, 2),
-                          (16, 32, 4, 1))},
     "bwd_dq": {16: _DQ_64, 32: _DQ_64, 64: _DQ_64,
                128: _c((128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 2), (64, 32, 4, 2), (32, 16, 4, 1)),
                256: _c((128, 32, 8, 2), (128, 16, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2), (16, 16, 4, 1))},
@@ -138,7 +127,6 @@ _DEFAULTS_16BIT = {
 _DEFAULTS_FP32 = {
     "fwd": _c((64, 64, 8, 1), (64, 32, 4, 2), (32, 32, 4, 1), (16, 16, 4, 1)),
     "bwd_dkdv": _c((32, 64, 8, 1), (32, 32, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)),
-    "bwd_fused": _c((32, 64, 8, 1), (32, 32, 4, 1), (16, 32, 4, 1), (16, 16, 4, 1)),
     "bwd_dq": _c((64, 32, 8, 1), (32, 32, 4, 1), (32, 16, 4, 1), (16, 16, 4, 1)),
 }
 
@@ -159,8 +147,6 @@ def smem_estimate(kernel: str, cfg: KernelConfig, bd: int, bdv: int, elt: int) -
         return elt * (bm * bd + st * bn * (bd + bdv))
     if kernel == "bwd_dkdv":  # K, V resident; Q, dO pipelined; P^T and dS^T staged
         return elt * (bn * (bd + bdv) + st * bm * (bd + bdv) + 2 * bm * bn)
-    if kernel == "bwd_fused":  # as bwd_dkdv, plus dS staged again as the A operand of dS K
-        return elt * (bn * (bd + bdv) + st * bm * (bd + bdv) + 3 * bm * bn)
     return elt * (bm * (bd + bdv) + st * bn * (bd + bdv) + bm * bn)   # bwd_dq
 
 
@@ -193,16 +179,9 @@ def candidates(kernel: str, spec, device: torch.device) -> list[KernelConfig]:
     return out
 
 
-def kernels_for(spec) -> tuple[str, ...]:
-    """The kernels a call launches (see kernels/attn_bwd.py for the two backward schedules)."""
-    if not spec.needs_grad:
-        return ("fwd",)
-    return ("fwd", "bwd_dkdv", "bwd_dq") if spec.deterministic else ("fwd", "bwd_fused")
-
-
 @functools.lru_cache(maxsize=1024)
 def _smem_reasons(spec, device: torch.device) -> tuple[str, ...]:
-    kernels = kernels_for(spec)
+    kernels = KERNELS if spec.needs_grad else ("fwd",)
     return tuple(f"no {k} tile config fits in {smem_limit(device)} bytes of shared memory for head dim "
                  f"{spec.head_dim}/{spec.head_dim_v}" for k in kernels if not candidates(k, spec, device))
 
@@ -274,16 +253,14 @@ def autotune(shapes, *, kernels=KERNELS, dtypes=(torch.bfloat16,), configs: Opti
                 cands = (configs or {}).get(kernel, {}).get(bucket) or default_configs(kernel, bucket, dtype, 2, 4)
                 key = spec_keys(gpu_name(dev), kernel, spec)[0]
                 ref = None
-                # the deterministic schedule is the one that launches bwd_dkdv + bwd_dq
-                kspec = replace(spec, deterministic=kernel in ("bwd_dkdv", "bwd_dq"))
                 for cfg in cands:
                     if kernel == "fwd":
                         def fn(cfg=cfg):
-                            return attn_fwd.forward(kspec, q, k, v, config=cfg)[0]
+                            return attn_fwd.forward(spec, q, k, v, config=cfg)[0]
                     else:
                         def fn(cfg=cfg, kernel=kernel):
                             cfgs = {kernel: cfg}
-                            return attn_bwd.backward(kspec, do, q, k, v, out, lse2, configs=cfgs)
+                            return attn_bwd.backward(spec, do, q, k, v, out, lse2, configs=cfgs)
                     try:
                         res = fn()
                     except Exception as e:  # noqa: BLE001 - out of resources / unsupported on this card

@@ -372,6 +372,15 @@ def test_launch_plan_is_memoised_and_follows_the_tuning_constants(monkeypatch):
     assert decode.plan_for(spec, q.device).num_splits == 2
     monkeypatch.setattr(splitkv, "WAVES", 1)                   # ... one wave is already full: no split
     assert decode.plan_for(spec, q.device).num_splits == 1
+    # a dense cache follows WAVES_DENSE instead
+    dense = KV(lens=(7, 100), cap=112, page=0, sq=2, s_new=0, hkv=2, num_splits=None)
+    q, k_cache, v_cache, _, _, lens, bt, slopes = make(dense)
+    dspec, _, _ = kvcache_spec(q, k_cache, v_cache, None, None, cache_seqlens=lens, block_table=bt,
+                               return_lse=True, **_kw(dense, slopes))
+    monkeypatch.setattr(splitkv, "WAVES_DENSE", 4)
+    assert decode.plan_for(dspec, q.device).num_splits == 2
+    monkeypatch.setattr(splitkv, "WAVES_DENSE", 1)
+    assert decode.plan_for(dspec, q.device).num_splits == 1
 
 
 def test_split_heuristic_waves_and_stage_override():
