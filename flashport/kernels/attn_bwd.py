@@ -103,6 +103,37 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
     return dk, dv
 
 
+@triton.jit
+def _dkdv_head(dk, dv, h, Q, DO, Lse, Delta, Slopes, b, b64, q0, n_heads, k, v, stride_qb, stride_qs, stride_qh,
+               stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_slope_b, lo, hi, full_lo, full_hi,
+               offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, seed, rng_offset, drop_threshold,
+               drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+               SPLIT: tl.constexpr, ALIGN: tl.constexpr):
+    """dK, dV contributions of query head h: its Q tiles [lo, hi) against the resident K, V tile."""
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(Slopes + b * stride_slope_b + h) * LOG2E_K
+    h64 = tl.cast(h, tl.int64)
+    q_ptr = Q + offset(b64, h64, q0, stride_qb, stride_qh, stride_qs, ALIGN)
+    do_ptr = DO + offset(b64, h64, q0, stride_dob, stride_doh, stride_dos, ALIGN)
+    lse_ptr = Lse + b64 * stride_lb + h64 * stride_lh + q0
+    delta_ptr = Delta + b64 * stride_lb + h64 * stride_lh + q0
+    bh = b * n_heads + h
+    # SPLIT: boundary Q tiles (masked), full tiles (no mask code), boundary tiles again; otherwise one
+    # loop masking behind a run-time branch (see kernels/common.py).
+    for part in tl.static_range(3 if SPLIT else 1):
+        p_lo, p_hi = tile_part(lo, hi, full_lo, full_hi, part, SPLIT)
+        r = tl.cast(p_lo, tl.int64)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_ptr + r * stride_qs, do_ptr + r * stride_dos, lse_ptr, delta_ptr, stride_qs,
+            stride_dos, p_lo, p_hi, full_lo, full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out,
+            slope2, seed, rng_offset, bh, drop_threshold, drop_scale, sm_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+            tile_mask(part, SPLIT), HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+    return dk, dv
+
+
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
 def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -112,11 +143,17 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
               drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr):
+              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
+              EXPAND: tl.constexpr):
     pid_n = tl.program_id(0)
-    kvh = tl.program_id(1)
+    head = tl.program_id(1)  # the kv head; with EXPAND the query head (partial dK, dV per query head)
     b = tl.program_id(2)
-    n_heads = tl.num_programs(1) * group
+    if EXPAND:
+        kvh = head // group
+        n_heads = tl.num_programs(1)
+    else:
+        kvh = head
+        n_heads = tl.num_programs(1) * group
     q_start, sq, k_start, sk = seq_bounds(b, CuQ, CuK, seqlen_q, seqlen_k, IS_VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= sk:
@@ -144,35 +181,23 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
         rng_offset = tl.load(Rng + 1).to(tl.int32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    q0 = tl.cast(q_start, tl.int64)
-    for g in range(group):  # the G query heads sharing this kv head, in a fixed order
-        h = kvh * group + g
-        slope2 = 0.0
-        if ALIBI:
-            slope2 = tl.load(Slopes + b * stride_slope_b + h) * LOG2E_K
-        h64 = tl.cast(h, tl.int64)
-        q_ptr = Q + offset(b64, h64, q0, stride_qb, stride_qh, stride_qs, ALIGN)
-        do_ptr = DO + offset(b64, h64, q0, stride_dob, stride_doh, stride_dos, ALIGN)
-        lse_ptr = Lse + b64 * stride_lb + h64 * stride_lh + q0
-        delta_ptr = Delta + b64 * stride_lb + h64 * stride_lh + q0
-        bh = b * n_heads + h
-        # SPLIT: boundary Q tiles (masked), full tiles (no mask code), boundary tiles again;
-        # otherwise one loop masking behind a run-time branch (see kernels/common.py).
-        for part in tl.static_range(3 if SPLIT else 1):
-            p_lo, p_hi = tile_part(lo, hi, full_lo, full_hi, part, SPLIT)
-            r = tl.cast(p_lo, tl.int64)
-            dk, dv = _dkdv_tiles(
-                dk, dv, k, v, q_ptr + r * stride_qs, do_ptr + r * stride_dos, lse_ptr,
-                delta_ptr, stride_qs, stride_dos, p_lo, p_hi, full_lo, full_hi, offs_n, sq, sk, diag,
-                left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale,
-                sm_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, tile_mask(part, SPLIT), HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                ALIBI, DROPOUT, PRECISION)
+    args = (Q, DO, Lse, Delta, Slopes, b, b64, tl.cast(q_start, tl.int64), n_heads, k, v, stride_qb, stride_qs,
+            stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_slope_b, lo, hi, full_lo,
+            full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, seed, rng_offset,
+            drop_threshold, drop_scale, sm_scale)
+    if EXPAND:  # this program's query head only: no loop over the group (see `backward`)
+        dk, dv = _dkdv_head(dk, dv, head, *args, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP,
+                            ALIBI, DROPOUT, PRECISION, SPLIT, ALIGN)
+    else:
+        for g in range(group):  # the G query heads sharing this kv head, in a fixed order
+            dk, dv = _dkdv_head(dk, dv, kvh * group + g, *args, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT,
+                                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SPLIT, ALIGN)
 
     row_mask = offs_n[:, None] < sk
-    dk_ptr = DK + offset(b64, kvh64, row0, stride_dkb, stride_dkh, stride_dks, ALIGN)
+    dk_ptr = DK + offset(b64, head, row0, stride_dkb, stride_dkh, stride_dks, ALIGN)
     tl.store(dk_ptr + offs_nb[:, None] * stride_dks + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=row_mask & (offs_d[None, :] < D))
-    dv_ptr = DVt + offset(b64, kvh64, row0, stride_dvb, stride_dvh, stride_dvs, ALIGN)
+    dv_ptr = DVt + offset(b64, head, row0, stride_dvb, stride_dvh, stride_dvs, ALIGN)
     tl.store(dv_ptr + offs_nb[:, None] * stride_dvs + offs_dv[None, :], dv.to(DVt.dtype.element_ty),
              mask=row_mask & (offs_dv[None, :] < DV))
 
@@ -310,12 +335,23 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
               a.drop_threshold, a.drop_scale, spec.softmax_scale)
     configs = configs or {}
 
+    # GQA: a program per (K/V tile, query head) writing float32 partial dK, dV per query head, summed
+    # over each group below in a fixed order.  Looping over the group inside one program instead keeps
+    # K, V, dK, dV and the loop state live across an outer loop: on sm_90a that spills (256 bytes of
+    # stack at D = 128, bench/compile_report.py --gqa 4).  Costs 2 x (Hq / Hkv) float32 copies of dK.
+    expand = spec.group_size > 1
+    dk_out, dv_out = dk, dv
+    if expand:
+        alloc32 = torch.zeros if varlen else torch.empty
+        dk_out = alloc32((*k.shape[:-2], hq, k.shape[-1]), dtype=torch.float32, device=k.device)
+        dv_out = alloc32((*v.shape[:-2], hq, v.shape[-1]), dtype=torch.float32, device=v.device)
+
     def launch_dkdv(cfg):
-        grid = (triton.cdiv(spec.seqlen_k, cfg.block_n), hkv, spec.batch)
-        _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk, dv, a.slopes, a.cu_q, a.cu_k, a.rng,
-                        *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk), *a.strides(dv),
+        grid = (triton.cdiv(spec.seqlen_k, cfg.block_n), hq if expand else hkv, spec.batch)
+        _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk_out, dv_out, a.slopes, a.cu_q, a.cu_k, a.rng,
+                        *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk_out), *a.strides(dv_out),
                         *l_strides, *common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
+                        EXPAND=expand, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
 
     def launch_dq(cfg):
         grid = (triton.cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
@@ -326,4 +362,7 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
 
     launch_with_fallback("bwd_dkdv", spec, q.device, launch_dkdv, configs.get("bwd_dkdv"))
     launch_with_fallback("bwd_dq", spec, q.device, launch_dq, configs.get("bwd_dq"))
+    if expand:  # [..., Hq, D] -> [..., Hkv, G, D] summed over G (query head h belongs to kv head h // G)
+        dk.copy_(dk_out.unflatten(-2, (hkv, spec.group_size)).sum(-2))
+        dv.copy_(dv_out.unflatten(-2, (hkv, spec.group_size)).sum(-2))
     return dq, dk, dv
