@@ -10,11 +10,18 @@ queue of requests with mixed prompt lengths under continuous batching:
 * every step decodes one token for each running request with
   flashport.attention_with_kvcache(block_table=...), which appends the new K/V in place.
 
-The same loop then runs with PyTorch SDPA over dense per-request caches, and the generated tokens
-must be equal (a divergence is accepted only at a near-tie of the top-2 logits, and reported).
+The same loop then runs with PyTorch SDPA over a dense fixed-capacity cache slot per request, and
+the generated tokens must be equal (a divergence is accepted only at a near-tie of the top-2 logits, and reported).
+
+On CUDA the decode step of both loops is captured in a CUDA graph per batch size (--cuda-graph, the
+default there), as serving engines do: a step then reads only fixed buffers (token ids, positions,
+a fixed-width block table and lengths for flashport; for SDPA a fixed-capacity dense cache per slot
+and a length mask), which are updated in place before each replay.  --static-decode runs that same
+fixed-shape step without capturing it, so its logic is checked on CPU too.
 
     python examples/serve.py --tiny                                  # CPU, seconds
-    python examples/serve.py --device cuda --layers 8 --requests 64  # GPU (Triton kernels)
+    python examples/serve.py --tiny --static-decode                  # CPU, the step a graph captures
+    python examples/serve.py --device cuda --layers 8 --requests 64  # GPU (Triton kernels, CUDA graphs)
 """
 from __future__ import annotations
 
@@ -141,14 +148,19 @@ class BlockAllocator:
 
 
 class PagedFlashportKV:
-    """One page pool per layer, [num_blocks, page, Hkv, hd]; flashport attention over it."""
+    """One page pool per layer, [num_blocks, page, Hkv, hd]; flashport attention over it.
 
-    def __init__(self, cfg: ModelConfig, num_blocks, page, device, dtype, backend=None):
+    For the static decode step (StaticDecode) a fixed-width block table [max_batch, max_blocks]
+    and lengths [max_batch] live on the device; batch row i is the i-th request of the step."""
+
+    def __init__(self, cfg: ModelConfig, num_blocks, page, max_batch, max_len, device, dtype, backend=None):
         shape = (num_blocks, page, cfg.kv_heads, cfg.head_dim)
         self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
         self.alloc, self.page, self.device, self.backend = BlockAllocator(num_blocks), page, device, backend
         self.bytes = 2 * cfg.layers * math.prod(shape) * self.k[0].element_size()
+        self.table = torch.zeros(max_batch, -(-max_len // page), dtype=torch.int32, device=device)
+        self.seqlens = torch.zeros(max_batch, dtype=torch.int32, device=device)
 
     def _need(self, r: Request) -> int:
         return -(-r.total // self.page)
@@ -181,15 +193,8 @@ class PagedFlashportKV:
                                               backend=self.backend)
         return attend
 
-    def decode(self, reqs):
+    def _attend(self, table, seqlens):
         """One new token per request: append at its length and attend through the block table."""
-        for r in reqs:
-            self._grow(r, r.length + 1)
-        width = max(len(r.blocks) for r in reqs)
-        table = torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in reqs], dtype=torch.int32,
-                             device=self.device)
-        seqlens = torch.tensor([r.length for r in reqs], dtype=torch.int32, device=self.device)
-
         def attend(n, q, k, v):
             out = flashport.attention_with_kvcache(q[:, None], self.k[n], self.v[n], k[:, None], v[:, None],
                                                    cache_seqlens=seqlens, block_table=table, causal=True,
@@ -197,34 +202,65 @@ class PagedFlashportKV:
             return out[:, 0]
         return attend
 
+    def _tables(self, reqs, width=None):
+        """Grow each request by one slot -> (block table [B, width] int32, lengths [B] int32) on the host."""
+        for r in reqs:
+            self._grow(r, r.length + 1)
+        width = width or max(len(r.blocks) for r in reqs)
+        return (torch.tensor([r.blocks + [0] * (width - len(r.blocks)) for r in reqs], dtype=torch.int32),
+                torch.tensor([r.length for r in reqs], dtype=torch.int32))
+
+    def decode(self, reqs):
+        """Eager step: block table as wide as this batch's longest request, built anew."""
+        table, seqlens = self._tables(reqs)
+        return self._attend(table.to(self.device), seqlens.to(self.device))
+
+    def load(self, reqs) -> list:
+        """Static step: write the batch into the fixed buffers in place; request i is batch row i."""
+        table, seqlens = self._tables(reqs, self.table.shape[1])
+        self.table[: len(reqs)].copy_(table)
+        self.seqlens[: len(reqs)].copy_(seqlens)
+        return list(range(len(reqs)))
+
+    def static_attend(self, b: int):
+        return self._attend(self.table[:b], self.seqlens[:b])
+
 
 class DenseSdpaKV:
-    """Baseline: a dense [total, Hkv, hd] cache per request and layer, PyTorch SDPA per request.
+    """Baseline: a fixed-capacity dense cache [max_batch, max_len, Hkv, hd] per layer, one slot (row)
+    per running request, and PyTorch SDPA.  Slots stay compact (0..n-1: a finished request's slot
+    takes the last slot's cache), so a batch of b requests lives in rows [:b].
 
-    It exists to check the tokens; it loops over requests in Python, so its tok/s is no peer
-    measurement of batched decoding."""
+    Eager decode slices each request's cache to its length and calls SDPA per request (a Python
+    loop: it checks the tokens, its tok/s is no peer measurement).  The static step (StaticDecode)
+    attends over the whole capacity of rows [:b] at once under a length mask: batched, with shapes
+    that never change, so it can be captured; it must give the same tokens."""
 
-    def __init__(self, cfg: ModelConfig, device, dtype):
-        self.cfg, self.device, self.dtype = cfg, device, dtype
-        self.caches: dict = {}
-        self.bytes = self.peak_bytes = 0
+    def __init__(self, cfg: ModelConfig, max_batch, max_len, device, dtype):
+        self.cfg, self.device = cfg, device
+        shape = (max_batch, max_len, cfg.kv_heads, cfg.head_dim)
+        self.k = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
+        self.v = [torch.zeros(shape, device=device, dtype=dtype) for _ in range(cfg.layers)]
+        self.bytes = 2 * cfg.layers * math.prod(shape) * self.k[0].element_size()
+        self.slot: dict = {}                                     # rid -> row of the caches
+        self.lengths = torch.zeros(max_batch, dtype=torch.int64, device=device)
+        self.key_pos = torch.arange(max_len, device=device)
 
     def can_admit(self, r, running) -> bool:
-        return True
+        return len(self.slot) < self.k[0].shape[0]
+
+    def _cache(self, r, n):
+        s = self.slot.setdefault(r.rid, len(self.slot))
+        return self.k[n][s], self.v[n][s]
 
     def release(self, r) -> None:
-        for k, v in self.caches.pop(r.rid):
-            self.bytes -= 2 * k.numel() * k.element_size()
-
-    def _cache(self, r):
-        if r.rid not in self.caches:
-            shape = (r.total, self.cfg.kv_heads, self.cfg.head_dim)
-            self.caches[r.rid] = [(torch.zeros(shape, device=self.device, dtype=self.dtype),
-                                   torch.zeros(shape, device=self.device, dtype=self.dtype))
-                                  for _ in range(self.cfg.layers)]
-            self.bytes += 2 * self.cfg.layers * math.prod(shape) * self.caches[r.rid][0][0].element_size()
-            self.peak_bytes = max(self.peak_bytes, self.bytes)
-        return self.caches[r.rid]
+        s = self.slot.pop(r.rid)
+        last = len(self.slot)                                    # the highest slot still in use
+        if s != last:
+            mover = next(rid for rid, x in self.slot.items() if x == last)
+            for c in (*self.k, *self.v):
+                c[s].copy_(c[last])
+            self.slot[mover] = s
 
     @staticmethod
     def _sdpa(q, k, v, causal):  # [T, H, hd] layouts -> SDPA's [1, H, T, hd]
@@ -241,7 +277,7 @@ class DenseSdpaKV:
         def attend(n, q, k, v):
             outs = []
             for r, (a, b) in zip(reqs, spans):
-                kc, vc = self._cache(r)[n]
+                kc, vc = self._cache(r, n)
                 kc[: b - a], vc[: b - a] = k[a:b], v[a:b]
                 outs.append(self._sdpa(q[a:b], k[a:b], v[a:b], causal=True))
             return torch.cat(outs)
@@ -251,14 +287,91 @@ class DenseSdpaKV:
         def attend(n, q, k, v):
             outs = []
             for i, r in enumerate(reqs):
-                kc, vc = self._cache(r)[n]
+                kc, vc = self._cache(r, n)
                 kc[r.length], vc[r.length] = k[i], v[i]
                 outs.append(self._sdpa(q[i:i + 1], kc[: r.length + 1], vc[: r.length + 1], causal=False))
             return torch.cat(outs)
         return attend
 
+    def load(self, reqs) -> list:
+        """Static step: write the lengths into the fixed buffer; request i is batch row slot[i]."""
+        rows = [self.slot[r.rid] for r in reqs]
+        lengths = torch.empty(len(reqs), dtype=torch.int64)
+        lengths[rows] = torch.tensor([r.length for r in reqs])
+        self.lengths[: len(reqs)].copy_(lengths)
+        return rows
+
+    def static_attend(self, b: int):
+        rows, lengths = torch.arange(b, device=self.device), self.lengths[:b]
+        hkv, hd = self.cfg.kv_heads, self.cfg.head_dim
+
+        def attend(n, q, k, v):
+            kc, vc = self.k[n][:b], self.v[n][:b]
+            kc[rows, lengths], vc[rows, lengths] = k, v          # append in place, positions on the device
+            visible = (self.key_pos <= lengths[:, None])[:, None, None]          # [b, 1, 1, max_len]
+            # One query token per request: fold the G query heads of each KV head into SDPA's query
+            # axis ([b, Hkv, G, hd]), so GQA needs no enable_gqa and any SDPA kernel with a mask fits.
+            o = F.scaled_dot_product_attention(q.reshape(b, hkv, -1, hd), kc.transpose(1, 2),
+                                               vc.transpose(1, 2), attn_mask=visible)
+            return o.reshape(b, -1, hd)
+        return attend
+
 
 # ----------------------------------------------------------------------------- the serving loop
+class StaticDecode:
+    """The decode step with static shapes for every batch size 1..max_batch, each captured in a CUDA
+    graph if capture (up front, largest first, sharing one memory pool), else run eagerly (CPU).
+
+    A step reads only fixed buffers: token ids and positions [max_batch] here, and what kv.load()
+    writes for kv.static_attend(b) (block table + lengths, or slot lengths), all updated in place
+    before a replay.  Nothing in it reads a device value on the host.  The logits are the graph's
+    static output, rewritten by every replay, so they are consumed before the next step."""
+
+    def __init__(self, model: Llama, kv, max_batch: int, capture: bool):
+        self.model, self.kv = model, kv
+        self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=model.device)
+        self.positions = torch.zeros(max_batch, dtype=torch.int64, device=model.device)
+        self.pool = torch.cuda.graph_pool_handle() if capture else None
+        self.steps = {b: self._build(b, capture) for b in range(max_batch, 0, -1)}
+
+    def _build(self, b: int, capture: bool):
+        attend, rows = self.kv.static_attend(b), torch.arange(b, device=self.model.device)
+
+        def step():
+            return self.model.forward(self.tokens[:b], self.positions[:b], attend, rows)
+        if not capture:
+            return step
+        # Warm up on a side stream first (Triton compilation, cuBLAS workspaces, allocator).  Rerunning
+        # the step is harmless: it rewrites the same K/V at the same positions.
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        try:
+            with torch.cuda.graph(graph, pool=self.pool):
+                logits = step()
+        except RuntimeError as e:
+            raise RuntimeError(f"capturing the decode step (batch {b}) failed; --no-cuda-graph decodes "
+                               f"eagerly") from e
+
+        def replay():
+            graph.replay()
+            return logits
+        return replay
+
+    def __call__(self, reqs):
+        b, rows = len(reqs), self.kv.load(reqs)           # rows[i]: the batch row of request i
+        ids = torch.empty(2, b, dtype=torch.int64)
+        ids[:, rows] = torch.tensor([[r.out[-1] for r in reqs], [r.length for r in reqs]])
+        self.tokens[:b].copy_(ids[0])
+        self.positions[:b].copy_(ids[1])
+        logits = self.steps[b]()
+        return logits if rows == list(range(b)) else logits[rows]
+
+
 def _sample(reqs, logits, now):
     top = logits.topk(2, dim=-1)
     for r, tok, vals in zip(reqs, top.indices[:, 0].tolist(), top.values.tolist()):
@@ -268,8 +381,9 @@ def _sample(reqs, logits, now):
             r.ttft = now()
 
 
-def serve(model: Llama, kv, requests, max_batch: int):
-    """Continuous batching: admit while there is room, prefill the newcomers together, decode all."""
+def serve(model: Llama, kv, requests, max_batch: int, decoder: StaticDecode | None = None):
+    """Continuous batching: admit while there is room, prefill the newcomers together, decode all
+    (eagerly through kv.decode, or with the static / captured step of decoder)."""
     waiting, running = deque(requests), []
     t0 = time.perf_counter()
     sync = torch.cuda.synchronize if model.device.type == "cuda" else (lambda: None)
@@ -293,10 +407,13 @@ def serve(model: Llama, kv, requests, max_batch: int):
                 r.length = len(r.prompt)
             running += admitted
         elif running:
-            tokens = torch.tensor([r.out[-1] for r in running], device=model.device)
-            positions = torch.tensor([r.length for r in running], device=model.device)
-            rows = torch.arange(len(running), device=model.device)
-            logits = model.forward(tokens, positions, kv.decode(running), rows)
+            if decoder is not None:
+                logits = decoder(running)
+            else:
+                tokens = torch.tensor([r.out[-1] for r in running], device=model.device)
+                positions = torch.tensor([r.length for r in running], device=model.device)
+                rows = torch.arange(len(running), device=model.device)
+                logits = model.forward(tokens, positions, kv.decode(running), rows)
             for r in running:
                 r.length += 1
             _sample(running, logits, now)
@@ -335,7 +452,7 @@ def compare(paged, dense, tol: float):
 def _stats(name, reqs, wall, kv_line):
     ttft = sorted(r.ttft * 1e3 for r in reqs)
     toks = sum(len(r.out) for r in reqs)
-    print(f"{name:<16} TTFT mean {sum(ttft) / len(ttft):7.1f} ms  p50 {ttft[len(ttft) // 2]:7.1f} ms  "
+    print(f"{name:<28} TTFT mean {sum(ttft) / len(ttft):7.1f} ms  p50 {ttft[len(ttft) // 2]:7.1f} ms  "
           f"max {ttft[-1]:7.1f} ms | {toks / wall:8.1f} tok/s ({toks} tokens in {wall:.2f} s) | {kv_line}")
     return dict(ttft_ms=ttft, tokens=toks, wall_s=wall, tok_per_s=toks / wall)
 
@@ -353,6 +470,11 @@ def main(argv=None):
     p.add_argument("--kv-blocks", type=int, default=None, help="pages in the pool (default: max-batch worst case)")
     p.add_argument("--backend", default=None, help="force a flashport backend (default: auto)")
     p.add_argument("--tiny", action="store_true", help="tiny model and workload for CPU")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
+                   help="capture the decode step of both loops in a CUDA graph per batch size (default: on "
+                        "with CUDA; ignored on CPU)")
+    p.add_argument("--static-decode", action="store_true",
+                   help="decode with the fixed-shape step that --cuda-graph captures, uncaptured (checks it on CPU)")
     args = p.parse_args(argv)
     for name in ("requests", "new_tokens", "max_batch", "page"):
         if getattr(args, name) < 1:
@@ -368,33 +490,48 @@ def main(argv=None):
     if args.layers is not None:
         cfg = ModelConfig(**{**cfg.__dict__, "layers": args.layers})
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
+    graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
+    if graph and device.type != "cuda":
+        print(f"note: --cuda-graph ignored on {device.type} (CUDA graphs need a CUDA device)")
+        graph = False
+    mode = "cuda-graph" if graph else "static" if args.static_decode else "eager"
     model = Llama(cfg, device, dtype)
-    blocks = args.kv_blocks or args.max_batch * -(-(args.prompt_len[1] + args.new_tokens) // args.page)
+    max_len = args.prompt_len[1] + args.new_tokens
+    blocks = args.kv_blocks or args.max_batch * -(-max_len // args.page)
     print(f"flashport serve: {device} {args.dtype}, {cfg.layers} layers, dim {cfg.dim}, heads {cfg.heads}/"
           f"{cfg.kv_heads} (hd {cfg.head_dim}), {args.requests} requests, prompts {args.prompt_len[0]}.."
-          f"{args.prompt_len[1]}, <= {args.new_tokens} new tokens, max batch {args.max_batch}")
+          f"{args.prompt_len[1]}, <= {args.new_tokens} new tokens, max batch {args.max_batch}, decode {mode}")
 
     # Warm up outside the timed loops (Triton compilation on GPU, lazy initialisation everywhere).
     warm_blocks = 2 * -(-23 // args.page)
-    for kv in (PagedFlashportKV(cfg, warm_blocks, args.page, device, dtype, args.backend),
-               DenseSdpaKV(cfg, device, dtype)):
+    for kv in (PagedFlashportKV(cfg, warm_blocks, args.page, 2, 23, device, dtype, args.backend),
+               DenseSdpaKV(cfg, 2, 23, device, dtype)):
         serve(model, kv, make_requests(2, (5, 20), 3, cfg.vocab, seed=7), 2)
 
-    def fresh():
-        return make_requests(args.requests, args.prompt_len, args.new_tokens, cfg.vocab)
+    def run(name, kv):
+        """Serve a fresh copy of the workload on kv -> (requests, wall seconds)."""
+        decoder, t = None, time.perf_counter()
+        if mode != "eager":
+            decoder = StaticDecode(model, kv, args.max_batch, capture=graph)
+            if graph:
+                torch.cuda.synchronize()
+                print(f"{name}: captured {args.max_batch} decode graphs (batch 1..{args.max_batch}) in "
+                      f"{time.perf_counter() - t:.2f} s")
+        reqs = make_requests(args.requests, args.prompt_len, args.new_tokens, cfg.vocab)
+        return reqs, serve(model, kv, reqs, args.max_batch, decoder)
 
-    paged_kv = PagedFlashportKV(cfg, blocks, args.page, device, dtype, args.backend)
-    paged = fresh()
-    wall = serve(model, paged_kv, paged, args.max_batch)
-    a = paged_kv.alloc
     mib = 2 ** -20
-    res = {"paged": _stats("paged/flashport", paged, wall,
-                           f"KV pool {paged_kv.bytes * mib:.2f} MiB ({blocks} x {args.page}), peak in use "
-                           f"{paged_kv.bytes * a.peak_used / blocks * mib:.2f} MiB, {a.reused} pages reused")}
-    dense_kv = DenseSdpaKV(cfg, device, dtype)
-    dense = fresh()
-    wall = serve(model, dense_kv, dense, args.max_batch)
-    res["dense"] = _stats("dense/SDPA", dense, wall, f"KV peak {dense_kv.peak_bytes * mib:.2f} MiB")
+    paged_kv = PagedFlashportKV(cfg, blocks, args.page, args.max_batch, max_len, device, dtype, args.backend)
+    paged, wall = run("paged/flashport", paged_kv)
+    a = paged_kv.alloc
+    res = {"mode": mode, "paged": _stats(f"paged/flashport [{mode}]", paged, wall,
+                                         f"KV pool {paged_kv.bytes * mib:.2f} MiB ({blocks} x {args.page}), peak "
+                                         f"in use {paged_kv.bytes * a.peak_used / blocks * mib:.2f} MiB, "
+                                         f"{a.reused} pages reused")}
+    dense_kv = DenseSdpaKV(cfg, args.max_batch, max_len, device, dtype)
+    dense, wall = run("dense/SDPA", dense_kv)
+    res["dense"] = _stats(f"dense/SDPA [{mode}]", dense, wall,
+                          f"KV {dense_kv.bytes * mib:.2f} MiB ({args.max_batch} slots x {max_len})")
 
     tol = {torch.float32: 1e-3, torch.float16: 3e-2, torch.bfloat16: 1e-1}[dtype]
     equal, ties = compare(paged, dense, tol)

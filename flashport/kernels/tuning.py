@@ -104,8 +104,9 @@ def _c(*rows):
 
 
 # (block_m, block_n, num_warps, num_stages), best first, for 16-bit inputs on sm80+ (H100 / A100):
-# ordered by timings on an H200 (bf16, B = 8, S = 2048, causal and not; results/ has the logs), and
-# checked against ptxas reports for sm_90a (no register spills in the first entries).
+# ordered by timings on an H200 (bf16, causal and not; results/ has the logs), and checked against
+# sm_90a compile reports (bench/compile_report.py): no register spills in the first entries, and tiles
+# whose dots all reach HGMMA (a dot with fewer than 64 rows per warpgroup falls back to HMMA).
 _FWD_64 = _c((128, 64, 8, 3), (64, 64, 4, 2), (128, 64, 4, 3), (128, 128, 8, 3), (64, 32, 4, 1))
 _DKDV_64 = _c((16, 128, 4, 3), (32, 64, 4, 3), (64, 128, 8, 3), (32, 128, 8, 3), (16, 32, 4, 1))
 _DQ_64 = _c((128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (64, 32, 4, 2), (32, 16, 4, 1))
@@ -117,11 +118,12 @@ _DEFAULTS_16BIT = {
                     (32, 32, 4, 1))},
     "bwd_dkdv": {16: _DKDV_64, 32: _DKDV_64, 64: _DKDV_64,
                  128: _c((32, 128, 8, 3), (64, 128, 8, 2), (16, 128, 8, 2), (32, 64, 8, 2), (16, 32, 4, 1)),
-                 256: _c((32, 64, 8, 1), (32, 64, 8, 2), (64, 32, 8, 1), (16, 64, 8, 2), (32, 32, 8, 1),
+                 256: _c((32, 64, 8, 1), (32, 64, 8, 2), (16, 64, 8, 2), (64, 64, 8, 1), (32, 32, 8, 1),
                          (16, 32, 4, 1))},
     "bwd_dq": {16: _DQ_64, 32: _DQ_64, 64: _DQ_64,
                128: _c((128, 64, 8, 3), (128, 32, 8, 3), (64, 64, 8, 2), (64, 32, 4, 2), (32, 16, 4, 1)),
-               256: _c((128, 32, 8, 2), (128, 16, 8, 2), (64, 32, 8, 2), (32, 32, 4, 2), (16, 16, 4, 1))},
+               256: _c((128, 32, 8, 2), (64, 64, 8, 1), (64, 32, 8, 2), (128, 32, 8, 1), (64, 64, 8, 2),
+                       (16, 16, 4, 1))},
 }
 # fp32 with IEEE dots runs on FMA units: small tiles keep the fp32 operands within registers.
 _DEFAULTS_FP32 = {
