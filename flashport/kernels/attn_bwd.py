@@ -2,10 +2,10 @@
 
 Kernels:
   1. `_bwd_preprocess`: Delta = rowsum(dO * O)                      [per query row, float32]
-  2. `_bwd_dkdv`: one program per (K/V tile, kv head, batch entry).  K and V stay on chip; for each
-     of the G query heads that share this kv head (GQA: K/V are never expanded) it streams the Q
-     tiles that can see the tile and accumulates dK, dV in registers: the group reduction happens
-     inside the program, in a fixed order.
+  2. `_bwd_dkdv`: one program per (K/V tile, query head, batch entry).  K and V (of the query head's
+     kv head: never expanded in memory) stay on chip while the Q tiles that can see the tile stream
+     through, accumulating dK, dV in registers.  With GQA each program writes float32 partials for
+     its query head, summed over the group afterwards in a fixed order (`backward`).
   3. `_bwd_dq`: one program per (Q tile, query head, batch entry) streaming K/V tiles.
 No addition depends on scheduling, so every backward is bitwise reproducible (deterministic=True costs
 nothing).  FlashAttention-2 instead adds dQ from the dK/dV kernel with float32 atomics (5 matmuls per
@@ -23,7 +23,7 @@ import triton
 import triton.language as tl
 
 from .common import (LOG2E_K, KernelArgs, dropout_keep, key_tiles, load_tile, mask_scores, query_tiles,
-                     offset, seq_bounds, tile_mask, tile_part, transform_log2)
+                     offset, seq_bounds, tile_part, transform_log2)
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
 
 
@@ -103,37 +103,6 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
     return dk, dv
 
 
-@triton.jit
-def _dkdv_head(dk, dv, h, Q, DO, Lse, Delta, Slopes, b, b64, q0, n_heads, k, v, stride_qb, stride_qs, stride_qh,
-               stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_slope_b, lo, hi, full_lo, full_hi,
-               offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, seed, rng_offset, drop_threshold,
-               drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-               SPLIT: tl.constexpr, ALIGN: tl.constexpr):
-    """dK, dV contributions of query head h: its Q tiles [lo, hi) against the resident K, V tile."""
-    slope2 = 0.0
-    if ALIBI:
-        slope2 = tl.load(Slopes + b * stride_slope_b + h) * LOG2E_K
-    h64 = tl.cast(h, tl.int64)
-    q_ptr = Q + offset(b64, h64, q0, stride_qb, stride_qh, stride_qs, ALIGN)
-    do_ptr = DO + offset(b64, h64, q0, stride_dob, stride_doh, stride_dos, ALIGN)
-    lse_ptr = Lse + b64 * stride_lb + h64 * stride_lh + q0
-    delta_ptr = Delta + b64 * stride_lb + h64 * stride_lh + q0
-    bh = b * n_heads + h
-    # SPLIT: boundary Q tiles (masked), full tiles (no mask code), boundary tiles again; otherwise one
-    # loop masking behind a run-time branch (see kernels/common.py).
-    for part in tl.static_range(3 if SPLIT else 1):
-        p_lo, p_hi = tile_part(lo, hi, full_lo, full_hi, part, SPLIT)
-        r = tl.cast(p_lo, tl.int64)
-        dk, dv = _dkdv_tiles(
-            dk, dv, k, v, q_ptr + r * stride_qs, do_ptr + r * stride_dos, lse_ptr, delta_ptr, stride_qs,
-            stride_dos, p_lo, p_hi, full_lo, full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out,
-            slope2, seed, rng_offset, bh, drop_threshold, drop_scale, sm_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
-            tile_mask(part, SPLIT), HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
-    return dk, dv
-
-
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
 def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
@@ -143,17 +112,12 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
               drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
-              EXPAND: tl.constexpr):
+              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr):
     pid_n = tl.program_id(0)
-    head = tl.program_id(1)  # the kv head; with EXPAND the query head (partial dK, dV per query head)
+    h = tl.program_id(1)  # query head; its K/V come from kv head h // G
     b = tl.program_id(2)
-    if EXPAND:
-        kvh = head // group
-        n_heads = tl.num_programs(1)
-    else:
-        kvh = head
-        n_heads = tl.num_programs(1) * group
+    kvh = h // group
+    n_heads = tl.num_programs(1)
     q_start, sq, k_start, sk = seq_bounds(b, CuQ, CuK, seqlen_q, seqlen_k, IS_VARLEN)
     start_n = pid_n * BLOCK_N
     if start_n >= sk:
@@ -181,23 +145,31 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
         rng_offset = tl.load(Rng + 1).to(tl.int32)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    args = (Q, DO, Lse, Delta, Slopes, b, b64, tl.cast(q_start, tl.int64), n_heads, k, v, stride_qb, stride_qs,
-            stride_qh, stride_dob, stride_dos, stride_doh, stride_lb, stride_lh, stride_slope_b, lo, hi, full_lo,
-            full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, seed, rng_offset,
-            drop_threshold, drop_scale, sm_scale)
-    if EXPAND:  # this program's query head only: no loop over the group (see `backward`)
-        dk, dv = _dkdv_head(dk, dv, head, *args, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP,
-                            ALIBI, DROPOUT, PRECISION, SPLIT, ALIGN)
-    else:
-        for g in range(group):  # the G query heads sharing this kv head, in a fixed order
-            dk, dv = _dkdv_head(dk, dv, kvh * group + g, *args, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT,
-                                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SPLIT, ALIGN)
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(Slopes + b * stride_slope_b + h) * LOG2E_K
+    h64, q0 = tl.cast(h, tl.int64), tl.cast(q_start, tl.int64)
+    q_ptr = Q + offset(b64, h64, q0, stride_qb, stride_qh, stride_qs, ALIGN)
+    do_ptr = DO + offset(b64, h64, q0, stride_dob, stride_doh, stride_dos, ALIGN)
+    lse_ptr = Lse + b64 * stride_lb + h64 * stride_lh + q0
+    delta_ptr = Delta + b64 * stride_lb + h64 * stride_lh + q0
+    bh = b * n_heads + h
+    # SPLIT: boundary Q tiles (masked), full tiles (no mask code), boundary tiles again; otherwise one
+    # loop masking behind a run-time branch (see kernels/common.py).
+    for part in tl.static_range(3 if SPLIT else 1):
+        p_lo, p_hi = tile_part(lo, hi, full_lo, full_hi, part, SPLIT)
+        r = tl.cast(p_lo, tl.int64)
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_ptr + r * stride_qs, do_ptr + r * stride_dos, lse_ptr, delta_ptr, stride_qs,
+            stride_dos, p_lo, p_hi, full_lo, full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out,
+            slope2, seed, rng_offset, bh, drop_threshold, drop_scale, sm_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
+            (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
 
     row_mask = offs_n[:, None] < sk
-    dk_ptr = DK + offset(b64, head, row0, stride_dkb, stride_dkh, stride_dks, ALIGN)
+    dk_ptr = DK + offset(b64, h64, row0, stride_dkb, stride_dkh, stride_dks, ALIGN)
     tl.store(dk_ptr + offs_nb[:, None] * stride_dks + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=row_mask & (offs_d[None, :] < D))
-    dv_ptr = DVt + offset(b64, head, row0, stride_dvb, stride_dvh, stride_dvs, ALIGN)
+    dv_ptr = DVt + offset(b64, h64, row0, stride_dvb, stride_dvh, stride_dvs, ALIGN)
     tl.store(dv_ptr + offs_nb[:, None] * stride_dvs + offs_dv[None, :], dv.to(DVt.dtype.element_ty),
              mask=row_mask & (offs_dv[None, :] < DV))
 
@@ -296,7 +268,7 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
         dq = _dq_tiles(dq, q, do, lse2, delta, k_base + r * stride_ks, v_base + r * stride_vs, stride_ks, stride_vs,
                        p_lo, p_hi, full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2,
                        seed, rng_offset, bh, drop_threshold, drop_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
-                       tile_mask(part, SPLIT), HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                       (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
                        PRECISION)
     dq_ptr = DQ + offset(b64, h64, row0, stride_dqb, stride_dqh, stride_dqs, ALIGN)
     tl.store(dq_ptr + offs_mb[:, None] * stride_dqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
@@ -335,23 +307,24 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
               a.drop_threshold, a.drop_scale, spec.softmax_scale)
     configs = configs or {}
 
-    # GQA: a program per (K/V tile, query head) writing float32 partial dK, dV per query head, summed
-    # over each group below in a fixed order.  Looping over the group inside one program instead keeps
-    # K, V, dK, dV and the loop state live across an outer loop: on sm_90a that spills (256 bytes of
-    # stack at D = 128, bench/compile_report.py --gqa 4).  Costs 2 x (Hq / Hkv) float32 copies of dK.
+    # GQA: each program writes float32 partial dK, dV for its query head, summed per group below in a
+    # fixed order.  (Looping over the group inside one program instead kept K, V, dK, dV and the loop
+    # state live across an outer loop: on sm_90a that spilled 256 bytes per thread at D = 128,
+    # bench/compile_report.py --gqa 4.)  Costs 2 x (Hq / Hkv) float32 copies of dK / dV.
     expand = spec.group_size > 1
     dk_out, dv_out = dk, dv
     if expand:
         alloc32 = torch.zeros if varlen else torch.empty
         dk_out = alloc32((*k.shape[:-2], hq, k.shape[-1]), dtype=torch.float32, device=k.device)
         dv_out = alloc32((*v.shape[:-2], hq, v.shape[-1]), dtype=torch.float32, device=v.device)
+        a.cover(dk_out, dv_out)
 
     def launch_dkdv(cfg):
-        grid = (triton.cdiv(spec.seqlen_k, cfg.block_n), hq if expand else hkv, spec.batch)
+        grid = (triton.cdiv(spec.seqlen_k, cfg.block_n), hq, spec.batch)
         _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk_out, dv_out, a.slopes, a.cu_q, a.cu_k, a.rng,
                         *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk_out), *a.strides(dv_out),
                         *l_strides, *common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
-                        EXPAND=expand, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
 
     def launch_dq(cfg):
         grid = (triton.cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)

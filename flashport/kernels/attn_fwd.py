@@ -20,7 +20,7 @@ import triton
 import triton.language as tl
 
 from .common import (LN2_K, LOG2E_K, KernelArgs, dropout_keep, key_tiles, load_tile, mask_scores, offset,
-                     seq_bounds, tile_mask, tile_part, transform_log2)
+                     seq_bounds, tile_part, transform_log2)
 from .tuning import launch_with_fallback
 
 
@@ -133,7 +133,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base + r * stride_ks, v_base + r * stride_vs, stride_ks, stride_vs, p_lo, p_hi,
             full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
-            drop_threshold, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, tile_mask(part, SPLIT), HAS_LEFT,
+            drop_threshold, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT,
             HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCALE_FOLD)
 
     # Epilogue: rows that saw no key (l_i = 0) get out = 0 and lse = -inf.

@@ -138,7 +138,9 @@ def query_tiles(start_n, sq, sk, diag, left, right, BLOCK_M: tl.constexpr, BLOCK
 @triton.jit
 def tile_part(lo, hi, full_lo, full_hi, part: tl.constexpr, SPLIT: tl.constexpr):
     """Tile range [p_lo, p_hi) of loop `part`: with SPLIT, part 0 = boundary tiles before the full ones,
-    1 = the full tiles, 2 = boundary tiles after them; without SPLIT one loop covers [lo, hi)."""
+    1 = the full tiles, 2 = boundary tiles after them; without SPLIT one loop covers [lo, hi).  The
+    loops' MASK modes (see mask_scores) are `(0 if part == 1 else 1) if SPLIT else 2`: the full tiles
+    need none, the boundary loops always mask, the single loop masks behind a run-time branch."""
     p_lo = lo
     p_hi = hi
     if SPLIT:
@@ -150,13 +152,6 @@ def tile_part(lo, hi, full_lo, full_hi, part: tl.constexpr, SPLIT: tl.constexpr)
         else:
             p_lo = full_hi
     return p_lo, p_hi
-
-
-@triton.constexpr_function
-def tile_mask(part, split):
-    """MASK mode of loop `part` (see mask_scores): the full-tile loop of SPLIT needs none, its boundary
-    loops always mask, and the single loop masks behind a run-time branch."""
-    return (0 if part == 1 else 1) if split else 2
 
 
 @triton.jit

@@ -3,9 +3,10 @@
 - Under the interpreter (TRITON_INTERPRET=1): one small fixed config per kernel, no tuning.
 - On a GPU: a table of tuned configs keyed by (GPU name, kernel, head-dim bucket, dtype, mask kind,
   length class: "short" up to SHORT_SEQ queries/keys, else "long") loaded from
-  flashport/configs/triton_configs.json at import; missing entries fall back to defaults for the compute capability.  Candidates whose estimated shared memory exceeds the card's
-  limit are dropped, and a launch that still runs out of resources moves on to the next candidate
-  (the first one that launches is remembered per key).
+  flashport/configs/triton_configs.json at import; missing entries fall back to the other length
+  class, then to defaults for the compute capability.  Candidates whose estimated shared memory
+  exceeds the card's limit are dropped, and a launch that still runs out of resources moves on to
+  the next candidate (the first one that launches is remembered per key).
 - `autotune(...)` times candidates on the current GPU and writes the table (run on the GPU).
 
 Kernels: "fwd" (block_m = Q tile, block_n = K/V tile), "bwd_dkdv" (block_n = K/V tile it owns,
