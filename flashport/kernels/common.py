@@ -282,5 +282,6 @@ class KernelArgs:
 
 
 def block_dim(d: int) -> int:
-    """Head dims are padded in-kernel to a power of two >= 16 (tl.dot's minimum)."""
-    return max(16, triton.next_power_of_2(d))
+    """Head dims are padded in-kernel to a power of two >= 16 (tl.dot's minimum).  Plain integer
+    arithmetic: triton.next_power_of_2 is a constexpr function, several microseconds per host call."""
+    return max(16, 1 << (d - 1).bit_length())
