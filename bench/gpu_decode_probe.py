@@ -79,7 +79,8 @@ def main(argv=None) -> int:
     ceil = {"copy_gbps": round(timing.copy_gbps(device), 1)}
     sms = splitkv.sm_count(device)
     doc = {"command": " ".join(sys.argv), "environment": environment(device), "ceilings": ceil,
-           "tuning": dict(WAVES=splitkv.WAVES, MIN_TILES_PER_SPLIT=splitkv.MIN_TILES_PER_SPLIT, sms=sms),
+           "tuning": dict(WAVES=splitkv.WAVES, WAVES_DENSE=splitkv.WAVES_DENSE,
+                         MIN_TILES_PER_SPLIT=splitkv.MIN_TILES_PER_SPLIT, sms=sms),
            "shapes": []}
     print(f"copy {ceil['copy_gbps']} GB/s, {sms} SMs, WAVES={splitkv.WAVES}, "
           f"MIN_TILES_PER_SPLIT={splitkv.MIN_TILES_PER_SPLIT}", flush=True)

@@ -143,15 +143,15 @@ def tune(out_dir: Path, budget_s: float, causal_too: bool, kernels):
             log("tune: budget reached, stopping")
             break
         best.update(tuning.autotune([shape], kernels=kernels, configs=cands, path=table_path, log=lambda m: log(m)))
-    # a full-mask winner stands in for causal / local keys that were not timed
+    # a full-mask winner stands in for causal / local keys that were not timed (replacing older entries)
     for key, (cfg, _) in list(best.items()):
         for mask in ("causal", "local"):
             alt = key.replace("|full", "|" + mask)
             if alt != key and alt not in best:
-                tuning.TABLE.setdefault(alt, cfg)
+                tuning.TABLE[alt] = cfg
     table = json.loads(table_path.read_text()) if table_path.exists() else {"entries": {}}
     for key, cfg in tuning.TABLE.items():
-        table["entries"].setdefault(key, cfg.__dict__)
+        table["entries"][key] = cfg.__dict__
     table_path.write_text(json.dumps(table, indent=1, sort_keys=True) + "\n")
     tuning._chosen.clear()
     return {k: dict(config=c.__dict__, ms=ms) for k, (c, ms) in best.items()}

@@ -212,7 +212,8 @@ def launch_with_fallback(kernel: str, spec, device: torch.device, launch: Callab
     if device.type != "cuda":
         launch(INTERPRETER_CONFIG)
         return INTERPRETER_CONFIG
-    key = (kernel, str(device), head_bucket(spec), spec.dtype, mask_key(spec), length_key(spec))
+    # exact head dims in the key: D=64/Dv=128 and D=128/Dv=128 share a bucket but not a smem footprint
+    key = (kernel, str(device), spec.head_dim, spec.head_dim_v, spec.dtype, mask_key(spec), length_key(spec))
     if key in _chosen:
         launch(_chosen[key])
         return _chosen[key]
