@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import re
 import time
 
 SUITES = ("auto", "cpu", "standard", "models", "long", "decode")
@@ -36,6 +37,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU job: torch threads per worker (default: torch's own, all cores); on a shared, busy "
                         "machine 1 avoids OpenMP spin-wait stalls that swamp small tiled ops")
     p.add_argument("--tag", default="", help="suffix for the output file names")
+    p.add_argument("--match", default=None, metavar="REGEX",
+                   help="GPU: only the suite's shapes whose label matches (e.g. 's1024 h16 d128'), to re-measure a cell")
 
 
 def _progress(total: int, desc: str):
@@ -79,6 +82,8 @@ def run(args: argparse.Namespace) -> int:
             device = torch.device("cuda", torch.cuda.current_device())
         torch.cuda.set_device(device)
         shapes = gpu_suite(suite, args.quick)
+        if args.match:
+            shapes = [s for s in shapes if re.search(args.match, s.label())]
         ceil = ceilings(device)
         n = sum(len([i for i in impls if s.kind != "decode" or i in peers.DECODE]) for s in shapes)
         bar, tick = _progress(n, f"{suite}: flashport vs peers")
