@@ -470,9 +470,10 @@ def main(argv=None):
     p.add_argument("--kv-blocks", type=int, default=None, help="pages in the pool (default: max-batch worst case)")
     p.add_argument("--backend", default=None, help="force a flashport backend (default: auto)")
     p.add_argument("--tiny", action="store_true", help="tiny model and workload for CPU")
-    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=None,
-                   help="capture the decode step of both loops in a CUDA graph per batch size (default: on "
-                        "with CUDA; ignored on CPU)")
+    p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
+                   help="capture the decode step of both loops in a CUDA graph per batch size (CUDA only; off by "
+                        "default until this path has run on a GPU: its fixed-shape step is checked on CPU with "
+                        "--static-decode)")
     p.add_argument("--static-decode", action="store_true",
                    help="decode with the fixed-shape step that --cuda-graph captures, uncaptured (checks it on CPU)")
     args = p.parse_args(argv)
@@ -490,7 +491,7 @@ def main(argv=None):
     if args.layers is not None:
         cfg = ModelConfig(**{**cfg.__dict__, "layers": args.layers})
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
-    graph = device.type == "cuda" if args.cuda_graph is None else args.cuda_graph
+    graph = args.cuda_graph
     if graph and device.type != "cuda":
         print(f"note: --cuda-graph ignored on {device.type} (CUDA graphs need a CUDA device)")
         graph = False
