@@ -13,15 +13,16 @@ queue of requests with mixed prompt lengths under continuous batching:
 The same loop then runs with PyTorch SDPA over a dense fixed-capacity cache slot per request, and
 the generated tokens must be equal (a divergence is accepted only at a near-tie of the top-2 logits, and reported).
 
-On CUDA the decode step of both loops is captured in a CUDA graph per batch size (--cuda-graph, the
-default there), as serving engines do: a step then reads only fixed buffers (token ids, positions,
+With --cuda-graph (CUDA only; opt-in until this path has been run on a GPU) the decode step of both
+loops is captured in a CUDA graph per batch size, as serving engines do: a step then reads only fixed buffers (token ids, positions,
 a fixed-width block table and lengths for flashport; for SDPA a fixed-capacity dense cache per slot
 and a length mask), which are updated in place before each replay.  --static-decode runs that same
 fixed-shape step without capturing it, so its logic is checked on CPU too.
 
     python examples/serve.py --tiny                                  # CPU, seconds
     python examples/serve.py --tiny --static-decode                  # CPU, the step a graph captures
-    python examples/serve.py --device cuda --layers 8 --requests 64  # GPU (Triton kernels, CUDA graphs)
+    python examples/serve.py --device cuda --layers 8 --requests 64  # GPU (Triton kernels), eager steps
+    python examples/serve.py --device cuda --cuda-graph              # GPU, decode steps replayed from graphs
 """
 from __future__ import annotations
 
