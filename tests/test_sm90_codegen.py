@@ -1,0 +1,37 @@
+"""The kernels as the H100/H200 get them, checked on a machine without a GPU: bench/compile_report.py
+compiles them for sm_90a with Triton's bundled ptxas and reads the SASS.  Catches a change that makes a
+tuned kernel spill registers, fall back from Hopper's HGMMA to HMMA, or lose its 16-byte loads.
+
+Runs the tool in a subprocess: the interpreter tier sets TRITON_INTERPRET=1 in every test process, and
+Triton decides at decoration time whether a kernel is compiled or interpreted."""
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+triton = pytest.importorskip("triton")
+ROOT = Path(__file__).resolve().parent.parent
+CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="Triton's bundled cuobjdump is missing")
+@pytest.mark.parametrize("d, gqa", [(64, 1), (72, 4)])
+def test_tuned_kernels_use_hgmma_without_spills(tmp_path, d, gqa):
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_report.py"), "--d", str(d), "--causal",
+                           "--gqa", str(gqa), "--json", str(out)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = {r["kernel"]: r for r in json.loads(out.read_text())}
+    for kernel in ("fwd", "bwd_dkdv", "bwd_dq"):
+        r = rows[kernel]
+        assert r["sass"]["HGMMA"] > 0 and r["sass"]["HMMA"] == 0, (kernel, r["config"], r["sass"])
+        assert r["sass"]["LDL"] + r["sass"]["STL"] == 0 and r["stack_bytes"] == 0, (kernel, r["config"], r["sass"])
+        # 16-byte tile loads even when the head stride (72) is not a multiple of 16 (the ALIGN hint)
+        assert not any(op.startswith("LDG.E.U16") for op in r["sass_ops"]), (kernel, r["sass_ops"])
