@@ -9,7 +9,7 @@ Kernels:
   3. `_bwd_dq`: one program per (Q tile, query head, batch entry) streaming K/V tiles.
 No addition depends on scheduling, so every backward is bitwise reproducible (deterministic=True costs
 nothing).  FlashAttention-2 instead adds dQ from the dK/dV kernel with float32 atomics (5 matmuls per
-tile pair instead of 7); that variant was built and measured here and lost: docs/PERFLOG.md row 6.
+tile pair instead of 7); that variant was built and measured here and lost: docs/PERFLOG.md row 5.
 All recompute P = exp2(s2 - lse2) from the saved LSE.  Equivalent PyTorch math:
     dV = (P * Z)^T dO,   dP = (dO V^T) * Z,   dS = P * (dP - Delta) * dsoftcap,
     dQ = scale * dS K,   dK = scale * dS^T Q     (the kernels fold scale into dS)
