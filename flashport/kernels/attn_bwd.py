@@ -22,8 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LOG2E_K, KernelArgs, dropout_keep, key_tiles, load_tile, mask_scores, query_tiles,
-                     offset, seq_bounds, tile_part, transform_log2)
+from .common import (KernelArgs, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
+                     offset, query_tiles, seq_bounds, tile_part, transform_log2)
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
 
 
@@ -39,16 +39,11 @@ def _bwd_preprocess(Out, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, stride
     start_m = pid_m * BLOCK_M
     if start_m >= sq:
         return
-    offs_mb = tl.arange(0, BLOCK_M)
-    offs_m = start_m + offs_mb
-    offs_dv = tl.arange(0, BLOCK_DV)
-    b64, h64, row0 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), tl.cast(q_start + start_m, tl.int64)
-    o_ptr = Out + offset(b64, h64, row0, stride_ob, stride_oh, stride_os, ALIGN)
-    do_ptr = DO + offset(b64, h64, row0, stride_dob, stride_doh, stride_dos, ALIGN)
-    o = load_tile(o_ptr + offs_mb[:, None] * stride_os + offs_dv[None, :], offs_m[:, None], sq, offs_dv[None, :],
-                  DV, True, DV != BLOCK_DV)
-    do = load_tile(do_ptr + offs_mb[:, None] * stride_dos + offs_dv[None, :], offs_m[:, None], sq,
-                   offs_dv[None, :], DV, True, DV != BLOCK_DV)
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    b64, h64, row0 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), q_start + start_m
+    o = load_head_tile(Out, b64, h64, row0, stride_ob, stride_oh, stride_os, start_m, sq, BLOCK_M, DV, BLOCK_DV, ALIGN)
+    do = load_head_tile(DO, b64, h64, row0, stride_dob, stride_doh, stride_dos, start_m, sq, BLOCK_M, DV, BLOCK_DV,
+                        ALIGN)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64) + offs_m, delta, mask=offs_m < sq)
 
@@ -127,33 +122,21 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
     offs_n = start_n + offs_nb
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
-    b64, kvh64, row0 = tl.cast(b, tl.int64), tl.cast(kvh, tl.int64), tl.cast(k_start + start_n, tl.int64)
-    k = load_tile(K + offset(b64, kvh64, row0, stride_kb, stride_kh, stride_ks, ALIGN)
-                  + offs_nb[:, None] * stride_ks + offs_d[None, :], offs_n[:, None], sk, offs_d[None, :], D, True,
-                  D != BLOCK_D)
-    v = load_tile(V + offset(b64, kvh64, row0, stride_vb, stride_vh, stride_vs, ALIGN)
-                  + offs_nb[:, None] * stride_vs + offs_dv[None, :], offs_n[:, None], sk, offs_dv[None, :], DV, True,
-                  DV != BLOCK_DV)
+    b64, row0 = tl.cast(b, tl.int64), k_start + start_n
+    k = load_head_tile(K, b64, kvh, row0, stride_kb, stride_kh, stride_ks, start_n, sk, BLOCK_N, D, BLOCK_D, ALIGN)
+    v = load_head_tile(V, b64, kvh, row0, stride_vb, stride_vh, stride_vs, start_n, sk, BLOCK_N, DV, BLOCK_DV, ALIGN)
 
     # Q tiles with a row that sees this key tile [lo, hi), of which [full_lo, full_hi) need no mask.
     lo, hi, full_lo, full_hi = query_tiles(start_n, sq, sk, diag, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
-    seed = 0
-    rng_offset = 0
-    if DROPOUT:
-        seed = tl.load(Rng)
-        rng_offset = tl.load(Rng + 1).to(tl.int32)
+    slope2, seed, rng_offset, bh = head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI, DROPOUT)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    slope2 = 0.0
-    if ALIBI:
-        slope2 = tl.load(Slopes + b * stride_slope_b + h) * LOG2E_K
     h64, q0 = tl.cast(h, tl.int64), tl.cast(q_start, tl.int64)
     q_ptr = Q + offset(b64, h64, q0, stride_qb, stride_qh, stride_qs, ALIGN)
     do_ptr = DO + offset(b64, h64, q0, stride_dob, stride_doh, stride_dos, ALIGN)
     lse_ptr = Lse + b64 * stride_lb + h64 * stride_lh + q0
     delta_ptr = Delta + b64 * stride_lb + h64 * stride_lh + q0
-    bh = b * n_heads + h
     # SPLIT: boundary Q tiles (masked), full tiles (no mask code), boundary tiles again; otherwise one
     # loop masking behind a run-time branch (see kernels/common.py).
     for part in tl.static_range(3 if SPLIT else 1):
@@ -233,14 +216,10 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
     offs_mb = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_mb
     offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    b64, h64, row0 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), tl.cast(q_start + start_m, tl.int64)
-    q = load_tile(Q + offset(b64, h64, row0, stride_qb, stride_qh, stride_qs, ALIGN)
-                  + offs_mb[:, None] * stride_qs + offs_d[None, :], offs_m[:, None], sq, offs_d[None, :], D, True,
-                  D != BLOCK_D)
-    do = load_tile(DO + offset(b64, h64, row0, stride_dob, stride_doh, stride_dos, ALIGN)
-                   + offs_mb[:, None] * stride_dos + offs_dv[None, :], offs_m[:, None], sq, offs_dv[None, :], DV, True,
-                   DV != BLOCK_DV)
+    b64, h64, row0 = tl.cast(b, tl.int64), tl.cast(h, tl.int64), q_start + start_m
+    q = load_head_tile(Q, b64, h64, row0, stride_qb, stride_qh, stride_qs, start_m, sq, BLOCK_M, D, BLOCK_D, ALIGN)
+    do = load_head_tile(DO, b64, h64, row0, stride_dob, stride_doh, stride_dos, start_m, sq, BLOCK_M, DV, BLOCK_DV,
+                        ALIGN)
     row_stats = b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64)
     # lse2 is +inf for rows that see no key, and rows past Sq read +inf: P = 0 there, never NaN.
     lse2 = tl.load(Lse + row_stats + offs_m, mask=offs_m < sq, other=float("inf"))
@@ -249,18 +228,9 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
     # Same key tiles as the forward.
     lo, hi, full_lo, full_hi = key_tiles(start_m, sq, sk, diag, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
 
-    slope2 = 0.0
-    if ALIBI:
-        slope2 = tl.load(Slopes + b * stride_slope_b + h) * LOG2E_K
-    seed = 0
-    rng_offset = 0
-    if DROPOUT:
-        seed = tl.load(Rng)
-        rng_offset = tl.load(Rng + 1).to(tl.int32)
-    bh = b * n_heads + h
-    kvh64, k0 = tl.cast(kvh, tl.int64), tl.cast(k_start, tl.int64)
-    k_base = K + offset(b64, kvh64, k0, stride_kb, stride_kh, stride_ks, ALIGN)
-    v_base = V + offset(b64, kvh64, k0, stride_vb, stride_vh, stride_vs, ALIGN)
+    slope2, seed, rng_offset, bh = head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI, DROPOUT)
+    k_base = K + offset(b64, kvh, k_start, stride_kb, stride_kh, stride_ks, ALIGN)
+    v_base = V + offset(b64, kvh, k_start, stride_vb, stride_vh, stride_vs, ALIGN)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
     for part in tl.static_range(3 if SPLIT else 1):  # as in the forward (common.py's SPLIT note)
         p_lo, p_hi = tile_part(lo, hi, full_lo, full_hi, part, SPLIT)

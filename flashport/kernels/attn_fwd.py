@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LN2_K, LOG2E_K, KernelArgs, dropout_keep, key_tiles, load_tile, mask_scores, offset,
-                     seq_bounds, tile_part, transform_log2)
+from .common import (LN2_K, KernelArgs, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
+                     offset, seq_bounds, tile_part, transform_log2)
 from .tuning import launch_with_fallback
 
 
@@ -99,26 +99,15 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     kvh = h // group
     offs_mb = tl.arange(0, BLOCK_M)
     offs_m = start_m + offs_mb
-    offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     # int64 before any multiply by a stride: offsets may pass 2**31 elements.
     b64 = tl.cast(b, tl.int64)
-    q_ptr = Q + offset(b64, h, q_start + start_m, stride_qb, stride_qh, stride_qs, ALIGN)
-    q = load_tile(q_ptr + offs_mb[:, None] * stride_qs + offs_d[None, :], offs_m[:, None], sq, offs_d[None, :], D,
-                  True, D != BLOCK_D)
+    q = load_head_tile(Q, b64, h, q_start + start_m, stride_qb, stride_qh, stride_qs, start_m, sq, BLOCK_M, D, BLOCK_D,
+                       ALIGN)
 
     # Key tiles some row sees [lo, hi), of which [full_lo, full_hi) need no mask.
     lo, hi, full_lo, full_hi = key_tiles(start_m, sq, sk, diag, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-
-    slope2 = 0.0
-    if ALIBI:
-        slope2 = tl.load(Slopes + b * stride_slope_b + h) * LOG2E_K
-    seed = 0
-    rng_offset = 0
-    if DROPOUT:
-        seed = tl.load(Rng)
-        rng_offset = tl.load(Rng + 1).to(tl.int32)
-    bh = b * n_heads + h
+    slope2, seed, rng_offset, bh = head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI, DROPOUT)
 
     k_base = K + offset(b64, kvh, k_start, stride_kb, stride_kh, stride_ks, ALIGN)
     v_base = V + offset(b64, kvh, k_start, stride_vb, stride_vh, stride_vs, ALIGN)

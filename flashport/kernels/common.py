@@ -81,6 +81,32 @@ def load_tile(ptrs, rows, n_rows, cols, n_cols, CHECK_ROWS: tl.constexpr, CHECK_
 
 
 @triton.jit
+def load_head_tile(X, b64, h, row0, stride_b, stride_h, stride_s, start, n_rows, BLOCK_R: tl.constexpr,
+                   N_COLS: tl.constexpr, BLOCK_C: tl.constexpr, ALIGN: tl.constexpr):
+    """The [BLOCK_R, BLOCK_C] tile of head h of batch entry b whose first row sits at row0 of X (rows
+    start .. start + BLOCK_R of the sequence, zeros past n_rows and past N_COLS columns)."""
+    offs_r = tl.arange(0, BLOCK_R)
+    offs_c = tl.arange(0, BLOCK_C)
+    ptrs = X + offset(b64, h, row0, stride_b, stride_h, stride_s, ALIGN) + offs_r[:, None] * stride_s + offs_c[None, :]
+    return load_tile(ptrs, start + offs_r[:, None], n_rows, offs_c[None, :], N_COLS, True, N_COLS != BLOCK_C)
+
+
+@triton.jit
+def head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI: tl.constexpr, DROPOUT: tl.constexpr):
+    """Per (batch entry b, query head h): the ALiBi slope in the log2 domain, the dropout seed and
+    offset, and b * Hq + h, the head coordinate of the dropout counter (0 for features not in use)."""
+    slope2 = 0.0
+    if ALIBI:
+        slope2 = tl.load(Slopes + b * stride_slope_b + h) * LOG2E_K
+    seed = 0
+    rng_offset = 0
+    if DROPOUT:
+        seed = tl.load(Rng)
+        rng_offset = tl.load(Rng + 1).to(tl.int32)
+    return slope2, seed, rng_offset, b * n_heads + h
+
+
+@triton.jit
 def key_tiles(start_m, sq, sk, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
     """Key tiles of the Q tile [start_m, start_m + BLOCK_M): (lo, hi, full_lo, full_hi).
