@@ -62,21 +62,6 @@ def dropout_mask(rng_state: torch.Tensor, p: float, batch: int, heads_q: int, sq
     return dense_keep_mask(rng_state, p, batch, heads_q, sq, sk)
 
 
-@functools.lru_cache(maxsize=256)
-def _kvcache_reasons(spec: AttnSpec, interpreting: bool) -> tuple[str, ...]:
-    """supports() for kvcache calls, memoised per spec: a decode step asks on every call, and the
-    answer depends only on the spec and process-wide facts (the TRITON_INTERPRET switch, read at
-    each call, is part of the key)."""
-    reasons = _device_reasons(spec.device)
-    if spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-        reasons.append(f"dtype {spec.dtype} is not supported (float16, bfloat16, float32)")
-    try:
-        from ..kernels.decode import kvcache_supports
-    except ImportError:
-        return tuple(reasons + ["kvcache kernel not available"])
-    return tuple(reasons + kvcache_supports(spec))
-
-
 @dataclass
 class _Call:
     """Everything but q, k, v that the forward and backward launchers need (the autograd options)."""
@@ -134,9 +119,13 @@ class TritonBackend(dispatch.Backend):
         return []
 
     def supports(self, spec: AttnSpec) -> list[str]:
-        if spec.kind == "kvcache":
-            return list(_kvcache_reasons(spec, _interpreting()))
         reasons = _device_reasons(spec.device)
+        if spec.kind == "kvcache":  # the KV-cache kernel states its own limits (memoised per spec there)
+            try:
+                from ..kernels.decode import kvcache_supports
+            except ImportError:
+                return reasons + ["kvcache kernel not available"]
+            return reasons + kvcache_supports(spec)
         if spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
             reasons.append(f"dtype {spec.dtype} is not supported (float16, bfloat16, float32)")
         if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
