@@ -107,13 +107,13 @@ def compile_case(d: int, causal: bool, dtype=torch.bfloat16, gqa: int = 1, confi
 
 
 def sweep_grid(kernel: str, d: int) -> list:
-    """Tile configs worth compiling for one kernel and head dim (shared memory estimate within 227 KB)."""
+    """Tile configs worth compiling for one kernel and head dim (shared memory estimate within sm_90's limit)."""
     from flashport.kernels import tuning
     from flashport.kernels.common import block_dim
     bd = block_dim(d)
     grid = [tuning.KernelConfig(m, n, w, st) for m in (16, 32, 64, 128) for n in (32, 64, 128)
             for w in (4, 8) for st in (1, 2, 3)]
-    return [c for c in grid if tuning.smem_estimate(kernel, c, bd, bd, 2) <= 232448]
+    return [c for c in grid if tuning.smem_estimate(kernel, c, bd, bd, 2) <= tuning.SMEM_OPTIN[(9, 0)]]
 
 
 def _table_or_default(kernel, bucket, spec):

@@ -155,6 +155,10 @@ def smem_estimate(kernel: str, cfg: KernelConfig, bd: int, bdv: int, elt: int) -
     return elt * (bm * (bd + bdv) + st * bn * (bd + bdv) + bm * bn)   # bwd_dq
 
 
+# Opt-in shared memory per block by compute capability, for when the device properties lack it.
+SMEM_OPTIN = {(8, 0): 166912, (8, 7): 166912, (9, 0): 232448}
+
+
 def smem_limit(device: torch.device) -> int:
     if device.type != "cuda":
         return 1 << 30
@@ -163,7 +167,7 @@ def smem_limit(device: torch.device) -> int:
     if optin:
         return int(optin)
     major, minor = props.major, props.minor
-    return {(8, 0): 166912, (8, 7): 166912, (9, 0): 232448}.get((major, minor), 101376)
+    return SMEM_OPTIN.get((major, minor), 101376)
 
 
 def candidates(kernel: str, spec, device: torch.device) -> list[KernelConfig]:
