@@ -10,8 +10,10 @@ For the decode suite's shapes (batch x kv length in 1x32768, 16x8192, 64x4096, 1
   same code as `flashport bench --suite decode` (flashport.bench.gpu.decode_timings);
 * the launch plan the heuristics chose (num_splits, BLOCK_M/N, stages, warps, per-tile page lookup)
   and what splitkv.choose_num_splits would pick for other WAVES values;
-* for 1x32768 and 16x8192 only: graph-replay timings of forced num_splits, BLOCK_N, num_stages and
-  of the per-key page lookup, so WAVES / MIN_TILES_PER_SPLIT / the configs can be retuned from one run.
+* for 1x32768 and 16x8192 only: graph-replay timings of forced num_splits, BLOCK_N, num_stages,
+  num_warps, programmatic dependent launch of the merge (decode.PDL) and of the per-key page lookup,
+  with the merge's own time beside each split variant, so WAVES / MIN_TILES_PER_SPLIT / the configs
+  can be retuned from one run (sweep() lists the variants).
 
 Every variant's output is compared with an fp32 materialised reference (max |diff| printed), so a
 wrong-but-fast variant shows.  The JSON is rewritten after every shape: a run cut short keeps what
@@ -42,6 +44,35 @@ def reference(q, k, v):
     return torch.cat(outs)
 
 
+def sweep(shape, cfg) -> list[dict]:
+    """Forced launch parameters to time for one shape (graph replay): split counts, tiles / stages /
+    warps at the split counts that matter, programmatic dependent launch of the merge, per-key pages."""
+    if shape.b == 1:
+        splits = (16, 32, 48, 64, 96, 128)
+        tiles = ((64, 4, 4), (128, 2, 4), (128, 3, 8), (32, 4, 4), (64, 3, 2), (64, 2, 4))
+        out = [dict(num_splits=s) for s in splits]
+        out += [dict(num_splits=s, block_n=bn, num_stages=st, num_warps=w) for s in (32, 64) for bn, st, w in tiles]
+        out += [dict(num_splits=s, pdl=True) for s in (16, 32, 64)]
+    else:
+        out = [dict(num_splits=s) for s in (1, 2, 3, 4, 6, 8)] + [dict(pdl=True), dict(block_n=32), dict(block_n=128)]
+    if shape.page:
+        out += [dict(num_stages=4), dict(num_stages=5)]
+        if shape.page % cfg.BLOCK_N == 0:
+            out.append(dict(tile_page_lookup=False))
+    return out
+
+
+def merge_ms(parts: int, q) -> float:
+    """Graph-replay time of the split merge alone for `parts` float32 partials of q's shape."""
+    from flashport.bench.timing import gpu_graph_ms
+    from flashport.kernels.merge import merge_partials
+    b, sq, hq, d = q.shape
+    o_parts = torch.randn(parts, b, sq, hq, d, device=q.device)
+    lse_parts = torch.randn(parts, b, hq, sq, device=q.device)
+    out, lse = torch.empty_like(q), torch.empty(b, hq, sq, device=q.device)
+    return gpu_graph_ms(lambda: merge_partials(o_parts, lse_parts, out, lse), rep_ms=10)[0]
+
+
 def compiled_kernels(jit_fn) -> list[dict]:
     """Shared memory / registers / spills of every compiled variant of a Triton kernel (best effort:
     the cache layout is Triton-version specific)."""
@@ -61,7 +92,7 @@ def compiled_kernels(jit_fn) -> list[dict]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="results/decode_probe.json")
-    p.add_argument("--budget-s", type=float, default=95.0, help="stop the sweeps after this many seconds")
+    p.add_argument("--budget-s", type=float, default=240.0, help="stop the sweeps after this many seconds")
     args = p.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("gpu_decode_probe: needs CUDA")
@@ -138,20 +169,14 @@ def main(argv=None) -> int:
 
         if shape.b not in (1, 16):
             continue
-        variants = [dict(num_splits=s) for s in ((8, 16, 24, 32, 48, 64, 96, 128) if shape.b == 1
-                                                 else (1, 2, 3, 4, 6, 8, 12, 16))]
-        variants += [dict(block_n=32), dict(block_n=128)]
-        if shape.page:
-            variants += [dict(num_stages=4), dict(num_stages=5)]
-            if shape.page % cfg.BLOCK_N == 0:
-                variants.append(dict(tile_page_lookup=False))
-        for var in variants:
+        for var in sweep(shape, cfg):
             name = " ".join(f"{k}={v}" for k, v in var.items())
             if time.perf_counter() - t0 > args.budget_s:
                 row["variants"].append(dict(var, skipped="time budget"))
                 continue
-            kw = {k: v for k, v in var.items() if k != "tile_page_lookup"}
+            kw = {k: v for k, v in var.items() if k not in ("tile_page_lookup", "pdl")}
             decode.TILE_PAGE_LOOKUP = var.get("tile_page_lookup", True)
+            decode.PDL = var.get("pdl", False)
             try:
                 fn = lambda: decode.kvcache_attention(spec, inputs, **kw)[0]  # noqa: E731
                 diff = (fn().float() - ref).abs().max().item()
@@ -160,18 +185,24 @@ def main(argv=None) -> int:
                 gbps = kv_bytes(shape) / (ms * 1e-3) / 1e9
                 r = dict(var, graph_ms=ms, graph_gbps=gbps, graph_frac_of_copy=gbps / ceil["copy_gbps"],
                          max_abs_diff=diff, splits=vp.num_splits, BLOCK_N=vp.cfg.BLOCK_N,
-                         num_stages=vp.cfg.num_stages, tile_page_lookup=vp.constexprs["TILE_IN_PAGE"])
+                         num_stages=vp.cfg.num_stages, num_warps=vp.cfg.num_warps,
+                         tile_page_lookup=vp.constexprs["TILE_IN_PAGE"], pdl=vp.pdl)
+                if vp.num_splits > 1:  # the merge alone, on buffers of this call's shape
+                    r["merge_graph_ms"] = merge_ms(vp.num_splits, q)
                 if fallback:
                     r["graph_fallback"] = fallback
             except Exception as e:  # noqa: BLE001
                 r = dict(var, error=f"{type(e).__name__}: {e}"[:300])
             finally:
                 decode.TILE_PAGE_LOOKUP = True
+                decode.PDL = False
             row["variants"].append(r)
             if "error" in r:
                 print(f"{label:<34} {name:<26} {r['error'][:100]}", flush=True)
             else:
                 line(label, f"{name} (splits {r['splits']})", r)
+                if "merge_graph_ms" in r:
+                    print(f"{'':<34} {'merge alone':<26} graph {r['merge_graph_ms'] * 1e3:7.1f} us", flush=True)
         save()
         del q, kc, vc, lens, table, ref, inputs
         torch.cuda.empty_cache()

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda.gdc_launch_dependents)
 
 from . import splitkv
 from .common import LOG2E, score_log2
@@ -55,7 +56,10 @@ def _kvcache_split_kernel(
     PAGED: tl.constexpr, PAGE_SIZE: tl.constexpr, TILE_IN_PAGE: tl.constexpr,
     HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
     SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    LAUNCH_DEPENDENTS: tl.constexpr,
 ):
+    if LAUNCH_DEPENDENTS:  # the merge kernel may be scheduled once every split program has started
+        tl.extra.cuda.gdc_launch_dependents()
     pid_bg = tl.program_id(0)
     pid_m = tl.program_id(1)
     split = tl.program_id(2)
@@ -154,6 +158,9 @@ def _kvcache_split_kernel(
 # Page lookups once per BLOCK_N tile (instead of once per key) wherever BLOCK_N divides the page size.
 # A switch only so that bench/gpu_decode_probe.py can time both forms of the kernel.
 TILE_PAGE_LOOKUP = True
+# Programmatic dependent launch of the merge (sm_90+): its launch overlaps the split kernel's last
+# programs instead of following them.  Off until a graph-replay measurement says it pays.
+PDL = False
 
 
 def _allow_tf32() -> bool:
@@ -198,9 +205,10 @@ def _supports(spec, interpreter: bool) -> tuple[str, ...]:
     return tuple(reasons)
 
 
-def _config(spec, smem, interpreter, block_m=None, block_n=None, num_stages=None):
+def _config(spec, smem, interpreter, block_m=None, block_n=None, num_stages=None, num_warps=None):
     return choose_config(spec.group_size * spec.seqlen_q, spec.head_dim, spec.head_dim_v, spec.dtype.itemsize,
-                         smem, interpreter, block_m=block_m, block_n=block_n, num_stages=num_stages)
+                         smem, interpreter, block_m=block_m, block_n=block_n, num_stages=num_stages,
+                         num_warps=num_warps)
 
 
 @dataclass(frozen=True, eq=False)
@@ -214,18 +222,19 @@ class LaunchPlan:
     cap_in: float
     cap_out: float
     constexprs: dict           # the kernel's tl.constexpr arguments, num_warps and num_stages
+    pdl: bool = False          # merge launched by programmatic dependent launch
 
 
 @functools.lru_cache(maxsize=512)
 def launch_plan(spec, sms: int, smem: int, interpreter: bool, tf32: bool, num_splits=None, block_m=None,
                 block_n=None, num_stages=None, waves: int = splitkv.WAVES, min_tiles: int = 2,
-                tile_page_lookup: bool = True) -> LaunchPlan | None:
+                tile_page_lookup: bool = True, num_warps=None, pdl: bool = False) -> LaunchPlan | None:
     """Tiles, split count and constexprs for `spec` (None: no tile configuration fits `smem`).
 
     A pure function of its arguments, memoised: the per-call host work of a decode step is then the
     allocations and the two launches.  waves / min_tiles are splitkv's waves_for() / MIN_TILES_PER_SPLIT,
     passed in so that a retune of those constants reaches the cache key."""
-    cfg = _config(spec, smem, interpreter, block_m, block_n, num_stages)
+    cfg = _config(spec, smem, interpreter, block_m, block_n, num_stages, num_warps)
     if cfg is None:
         return None
     m_blocks = triton.cdiv(spec.seqlen_q * spec.group_size, cfg.BLOCK_M)
@@ -241,30 +250,32 @@ def launch_plan(spec, sms: int, smem: int, interpreter: bool, tf32: bool, num_sp
         HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0,
         SOFTCAP=softcap > 0, ALIBI=spec.alibi is not None,
         DOT_PRECISION="ieee" if spec.dtype == torch.float32 and not tf32 else "tf32",
+        LAUNCH_DEPENDENTS=pdl and num_splits > 1,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return LaunchPlan(cfg, m_blocks, num_splits, qk_scale=spec.softmax_scale * LOG2E,
                       cap_in=spec.softmax_scale / softcap if softcap > 0 else 0.0, cap_out=softcap * LOG2E,
-                      constexprs=constexprs)
+                      constexprs=constexprs, pdl=pdl and num_splits > 1)
 
 
 def plan_for(spec, device: torch.device, *, num_splits=None, block_m=None, block_n=None,
-             num_stages=None) -> LaunchPlan | None:
+             num_stages=None, num_warps=None) -> LaunchPlan | None:
     """launch_plan with this process's current settings (device facts, env switches, tuning constants)."""
     interp = interpreting()
     return launch_plan(spec, sm_count(device), smem_limit(device), interp, _allow_tf32(), num_splits, block_m,
                        block_n, num_stages, splitkv.waves_for(spec.paged),
                        1 if interp else splitkv.MIN_TILES_PER_SPLIT,
-                       TILE_PAGE_LOOKUP)
+                       TILE_PAGE_LOOKUP, num_warps,
+                       PDL and device.type == "cuda" and not interp and device_facts(device)[2] >= (9, 0))
 
 
 def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: int | None = None,
-                      block_n: int | None = None, num_stages: int | None = None):
+                      block_n: int | None = None, num_stages: int | None = None, num_warps: int | None = None):
     """q [B, Sq, Hq, D] against the cache in `inputs` -> (out [B, Sq, Hq, Dv] q.dtype, lse [B, Hq, Sq] f32).
 
     inputs.k / inputs.v: dense [B, capacity, Hkv, D|Dv] or paged [num_blocks, page, Hkv, D|Dv] with
     inputs.block_table int32 [B, max_blocks]; inputs.seqlens_k int32 [B] valid lengths (None = the
-    whole capacity).  num_splits / block_m / block_n / num_stages override the heuristics (tests and
+    whole capacity).  num_splits / block_m / block_n / num_stages / num_warps override the heuristics (tests and
     bench/gpu_decode_probe.py use them).  Never synchronises with the host."""
     q, k_cache, v_cache = inputs.q, inputs.k, inputs.v
     bsz, sq, hq, _ = q.shape
@@ -275,7 +286,7 @@ def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: i
     if num_splits is not None and (not isinstance(num_splits, int) or num_splits < 1):
         raise ValueError(f"num_splits must be a positive int, got {num_splits!r}")
     plan = plan_for(spec, q.device, num_splits=num_splits, block_m=block_m, block_n=block_n,
-                    num_stages=num_stages)
+                    num_stages=num_stages, num_warps=num_warps)
     if plan is None:
         raise ValueError("no Triton tile configuration fits this device's shared memory")
     seqlens = inputs.seqlens_k
@@ -307,7 +318,7 @@ def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: i
             **plan.constexprs,
         )
         if splits > 1:
-            merge_partials(o_buf, l_buf, out, lse)
+            merge_partials(o_buf, l_buf, out, lse, after_prior=plan.pdl)
     return out, lse
 
 

@@ -6,8 +6,8 @@ flashport.merge.merge_states_torch):
 
     lse = log(sum_p exp(lse_p));   out = sum_p exp(lse_p - lse) * out_p
 
-A part with lse_p = -inf contributes nothing (its output is never read into the sum, so garbage or
-NaN there cannot leak); a row whose parts are all -inf comes out as zeros with lse = -inf.
+A part with lse_p = -inf contributes nothing (its output is selected away before the sum, so garbage
+or NaN there cannot leak); a row whose parts are all -inf comes out as zeros with lse = -inf.
 """
 from __future__ import annotations
 
@@ -17,6 +17,7 @@ import functools
 import torch
 import triton
 import triton.language as tl
+import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda.gdc_wait)
 
 from ..merge import merge_states_torch
 
@@ -29,69 +30,94 @@ def _merge_kernel(
     stride_outb, stride_outq, stride_outh,            # OUT [B, Sq, Hq, Dv]
     stride_lob, stride_loh, stride_loq,               # LSE_OUT [B, Hq, Sq]
     num_parts, seqlen_q, heads,
-    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_DV: tl.constexpr,
+    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, WAIT_PRIOR: tl.constexpr,
 ):
+    # One program per (b, i) and BLOCK_H heads; the parts are read BLOCK_P at a time as one
+    # [BLOCK_H, BLOCK_P, BLOCK_DV] tile, so a 64-way flash-decoding merge is a single round trip to
+    # memory instead of 64 dependent loads (at batch 1 the merge is latency-bound, not bandwidth-bound).
+    if WAIT_PRIOR:  # launched early by programmatic dependent launch: wait for the split kernel's writes
+        tl.extra.cuda.gdc_wait()
     pid = tl.program_id(0)
     b = (pid // seqlen_q).to(tl.int64)
     i = (pid % seqlen_q).to(tl.int64)
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     h_ok = h < heads
+    offs_p = tl.arange(0, BLOCK_P)
     offs_dv = tl.arange(0, BLOCK_DV)
-    o_mask = h_ok[:, None] & (offs_dv[None, :] < HEAD_DIM_V)
-    lse_base = LSE_PARTS + b * stride_lb + i * stride_lq + h * stride_lh
+    lse_base = LSE_PARTS + b * stride_lb + i * stride_lq + h * stride_lh                     # [BLOCK_H]
     o_base = O_PARTS + b * stride_ob + i * stride_oq + h[:, None] * stride_oh + offs_dv[None, :]
+    dv_ok = offs_dv < HEAD_DIM_V
 
-    # Pointers advance by the part strides (64-bit pointer arithmetic, no int32 index overflow).
     lse_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
-    lse_ptrs = lse_base
-    for _ in range(num_parts):
-        lse_max = tl.maximum(lse_max, tl.load(lse_ptrs, mask=h_ok, other=float("-inf")))
-        lse_ptrs += stride_lp
-    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)  # all parts empty: weights stay 0
+    if not ONE_CHUNK:  # first pass: the max over all parts, so the weights below never overflow
+        for p0 in range(0, num_parts, BLOCK_P):
+            p = (p0 + offs_p).to(tl.int64)
+            lp = tl.load(lse_base[:, None] + p[None, :] * stride_lp,
+                         mask=h_ok[:, None] & (p[None, :] < num_parts), other=float("-inf"))
+            lse_max = tl.maximum(lse_max, tl.max(lp, 1))
 
     total = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_DV], dtype=tl.float32)
-    lse_ptrs = lse_base
-    o_ptrs = o_base
-    for _ in range(num_parts):
-        w = tl.exp(tl.load(lse_ptrs, mask=h_ok, other=float("-inf")) - lse_max)
-        used = w > 0.0
-        # Masked load: an empty part's output is never read, so NaN there cannot reach the sum.
-        o = tl.load(o_ptrs, mask=o_mask & used[:, None], other=0.0).to(tl.float32)
-        acc += o * w[:, None]
-        total += w
-        lse_ptrs += stride_lp
-        o_ptrs += stride_op
+    for p0 in range(0, num_parts, BLOCK_P):
+        p = (p0 + offs_p).to(tl.int64)
+        p_ok = p < num_parts
+        lp = tl.load(lse_base[:, None] + p[None, :] * stride_lp, mask=h_ok[:, None] & p_ok[None, :],
+                     other=float("-inf"))                                                  # [BLOCK_H, BLOCK_P]
+        # The outputs are loaded without waiting for the lse (their mask does not depend on it) ...
+        o = tl.load(o_base[:, None, :] + p[None, :, None] * stride_op,
+                    mask=h_ok[:, None, None] & p_ok[None, :, None] & dv_ok[None, None, :], other=0.0)
+        if ONE_CHUNK:
+            lse_max = tl.max(lp, 1)
+        m = tl.where(lse_max == float("-inf"), 0.0, lse_max)    # all parts empty: weights stay 0
+        w = tl.exp(lp - m[:, None])
+        # ... and an empty part (w = 0) is selected away, so garbage or NaN there cannot reach the sum.
+        o = tl.where((w > 0.0)[:, :, None], o.to(tl.float32), 0.0)
+        acc += tl.sum(o * w[:, :, None], 1)
+        total += tl.sum(w, 1)
 
+    lse_max = tl.where(lse_max == float("-inf"), 0.0, lse_max)
     seen = total > 0.0
     t_safe = tl.where(seen, total, 1.0)
     out = acc / t_safe[:, None]
     lse = tl.where(seen, lse_max + tl.log(t_safe), float("-inf"))
     tl.store(OUT + b * stride_outb + i * stride_outq + h[:, None] * stride_outh + offs_dv[None, :],
-             out.to(OUT.dtype.element_ty), mask=o_mask)
+             out.to(OUT.dtype.element_ty), mask=h_ok[:, None] & dv_ok[None, :])
     tl.store(LSE_OUT + b * stride_lob + i * stride_loq + h * stride_loh, lse, mask=h_ok)
 
 
+# Elements of the [BLOCK_H, BLOCK_P, BLOCK_DV] float32 tile one program holds (32 registers per thread
+# at 8 warps): the whole split count of a decode call (<= 64 parts at Dv = 128) fits in one chunk.
+TILE_ELEMS = 8192
+
+
 @functools.lru_cache(maxsize=256)
-def _merge_meta(hq: int, dv: int) -> tuple[int, dict]:
-    """(BLOCK_H, launch keywords) for Hq heads of width Dv: decided once per shape."""
-    block_h = min(16, triton.next_power_of_2(hq))
-    return block_h, dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_DV=max(16, triton.next_power_of_2(dv)),
-                         num_warps=4 if block_h * dv >= 2048 else 2)
+def _merge_meta(parts: int, hq: int, dv: int, tile_elems: int = TILE_ELEMS) -> tuple[int, dict]:
+    """(BLOCK_H, launch keywords) for `parts` parts of Hq heads of width Dv: decided once per shape."""
+    block_dv = max(16, triton.next_power_of_2(dv))
+    block_p = max(1, min(triton.next_power_of_2(parts), tile_elems // block_dv))
+    block_h = max(1, min(triton.next_power_of_2(hq), tile_elems // (block_p * block_dv)))
+    elems = block_h * block_p * block_dv
+    return block_h, dict(HEAD_DIM_V=dv, BLOCK_H=block_h, BLOCK_P=block_p, BLOCK_DV=block_dv,
+                         ONE_CHUNK=parts <= block_p, num_warps=8 if elems >= 8192 else 4 if elems >= 2048 else 2)
 
 
-def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor, lse: torch.Tensor) -> None:
+def merge_partials(o_parts: torch.Tensor, lse_parts: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
+                   tile_elems: int = TILE_ELEMS, after_prior: bool = False) -> None:
     """Merge o_parts [P, B, Sq, Hq, Dv] / lse_parts [P, B, Hq, Sq] (any strides, last dim of o_parts
     unit-stride) into out [B, Sq, Hq, Dv] and lse [B, Hq, Sq] float32, in place.  Launches on the
-    current device: callers hold the device guard (the decode launcher already does)."""
+    current device: callers hold the device guard (the decode launcher already does).  tile_elems
+    bounds the per-program tile (tests lower it to exercise the multi-chunk path).  after_prior: launch
+    with programmatic dependent launch (sm_90+) so that the merge's programs start while the kernel
+    before it (which must call gdc_launch_dependents) drains, and wait on the device for its writes."""
     num_parts, bsz, sq, hq, dv = o_parts.shape
     if out.numel() == 0:
         return
-    block_h, meta = _merge_meta(hq, dv)
+    block_h, meta = _merge_meta(num_parts, hq, dv, tile_elems)
     _merge_kernel[(bsz * sq, triton.cdiv(hq, block_h))](
         o_parts, lse_parts, out, lse,
         *o_parts.stride()[:4], *lse_parts.stride(), *out.stride()[:3], *lse.stride(),
-        num_parts, sq, hq, **meta,
+        num_parts, sq, hq, **meta, WAIT_PRIOR=after_prior, launch_pdl=after_prior,
     )
 
 

@@ -84,19 +84,19 @@ def smem_limit(device: torch.device) -> int:
 @functools.lru_cache(maxsize=1024)
 def choose_config(rows: int, head_dim: int, head_dim_v: int, elem_size: int, smem: int,
                   interpreter: bool, block_m: int | None = None, block_n: int | None = None,
-                  num_stages: int | None = None) -> DecodeConfig | None:
+                  num_stages: int | None = None, num_warps: int | None = None) -> DecodeConfig | None:
     """Tile sizes for `rows` = G * Sq packed query rows per KV head; None if nothing fits in `smem`.
 
     Decode is bandwidth-bound: BLOCK_N 64..128 with 2-3 pipeline stages keeps enough loads in flight,
     and BLOCK_M stays small (16 for plain decode) because the packed rows are few.  block_m, block_n
-    and num_stages override the choice (block_n and num_stages are then never lowered to fit)."""
+    num_stages and num_warps override the choice (block_n and num_stages are then never lowered to fit)."""
     bd, bdv = _pow2(head_dim), _pow2(head_dim_v)
     bm = block_m or min(64, _pow2(rows))
     if interpreter:  # small tiles: tiny test shapes still span several tiles and splits
-        return DecodeConfig(bm, block_n or 16, bd, bdv, 4, num_stages or 1)
+        return DecodeConfig(bm, block_n or 16, bd, bdv, num_warps or 4, num_stages or 1)
     bn = block_n or (128 if max(bd, bdv) <= 64 else 64)
     stages = num_stages or (3 if max(bd, bdv) <= 128 else 2)
-    warps = 8 if bm >= 64 and max(bd, bdv) >= 128 else 4
+    warps = num_warps or (8 if bm >= 64 and max(bd, bdv) >= 128 else 4)
     while True:
         cfg = DecodeConfig(bm, bn, bd, bdv, warps, stages)
         if cfg.smem_bytes(elem_size) <= smem:

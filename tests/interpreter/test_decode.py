@@ -18,7 +18,7 @@ import flashport
 from conformance import assert_within_rule
 from flashport.backend.reference import materialized_attention
 from flashport.kernels.decode import kvcache_attention, kvcache_supports
-from flashport.kernels.merge import merge_states_triton
+from flashport.kernels.merge import merge_partials, merge_states_triton
 from flashport.kernels.splitkv import choose_config, choose_num_splits
 from flashport.kvcache import append_kv, gather_pages
 from flashport.merge import merge_states_torch
@@ -284,6 +284,23 @@ def test_merge_kernel_matches_torch(dtype):
     seen = torch.isfinite(lses[0]).transpose(1, 2)[..., None]
     torch.testing.assert_close(one, torch.where(seen, outs[0], torch.zeros_like(outs[0])), rtol=0, atol=0)
     torch.testing.assert_close(one_lse, lses[0], rtol=0, atol=0)
+
+
+def test_merge_kernel_many_parts_in_chunks():
+    """A flash-decoding merge of 37 parts read 4 at a time (tile_elems lowered): the two-pass path
+    (max over every chunk first) equals the PyTorch merge, with empty parts holding NaN."""
+    g = torch.Generator().manual_seed(2)
+    parts, b, sq, hq, dv = 37, 1, 2, 3, 16
+    o_parts = torch.randn(parts, b, sq, hq, dv, generator=g)
+    lse_parts = torch.randn(parts, b, hq, sq, generator=g) * 20      # spread: the max must be global
+    lse_parts[5:30, 0, 1, :] = float("-inf")
+    o_parts[5:30, 0, :, 1] = float("nan")
+    out = torch.empty(b, sq, hq, dv)
+    lse = torch.empty(b, hq, sq)
+    merge_partials(o_parts, lse_parts, out, lse, tile_elems=4 * 16)
+    ref, ref_lse = merge_states_torch(list(o_parts), list(lse_parts))
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-6, atol=1e-6)
 
 
 @pytest.mark.parametrize("paged", [False, True])
