@@ -44,17 +44,46 @@ def reference(q, k, v):
     return torch.cat(outs)
 
 
+def read_ceiling(device, nbytes: int, clean_flush: bool) -> dict:
+    """Fastest graph-replayed read of `nbytes` (one streaming Triton kernel, bf16, 16-byte loads)
+    over a few grid sizes and pipeline depths: the floor under any decode kernel that reads that
+    many bytes once, timed exactly like the decode contenders."""
+    import triton
+    import triton.language as tl
+
+    from flashport.bench.timing import gpu_graph_ms
+
+    @triton.jit
+    def _read(X, N, OUT, BLOCK: tl.constexpr):
+        pid = tl.program_id(0)
+        acc = tl.zeros([BLOCK], dtype=tl.float32)
+        for start in range(pid * BLOCK, N, tl.num_programs(0) * BLOCK):
+            offs = start + tl.arange(0, BLOCK)
+            acc += tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)
+        tl.store(OUT + pid, tl.sum(acc))
+
+    x = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
+    sms = torch.cuda.get_device_properties(device).multi_processor_count
+    best = None
+    for waves in (1, 2, 4, 8):
+        for stages in (2, 3, 4):
+            out = torch.empty(sms * waves, device=device)
+            fn = lambda: _read[(sms * waves,)](x, x.numel(), out, BLOCK=4096, num_warps=8, num_stages=stages)  # noqa: E731
+            ms, _ = gpu_graph_ms(fn, rep_ms=20, clean_flush=clean_flush)
+            if best is None or ms < best["graph_ms"]:
+                best = dict(graph_ms=ms, gbps=nbytes / (ms * 1e-3) / 1e9, programs=sms * waves, num_stages=stages)
+    del x
+    return best
+
+
 def sweep(shape, cfg) -> list[dict]:
     """Forced launch parameters to time for one shape (graph replay): split counts, tiles / stages /
     warps at the split counts that matter, programmatic dependent launch of the merge, per-key pages."""
     if shape.b == 1:
-        splits = (16, 32, 48, 64, 96, 128)
-        tiles = ((64, 4, 4), (128, 2, 4), (128, 3, 8), (32, 4, 4), (64, 3, 2), (64, 2, 4))
-        out = [dict(num_splits=s) for s in splits]
-        out += [dict(num_splits=s, block_n=bn, num_stages=st, num_warps=w) for s in (32, 64) for bn, st, w in tiles]
-        out += [dict(num_splits=s, pdl=True) for s in (16, 32, 64)]
+        out = [dict(num_splits=s, pdl=p) for s in (16, 24, 32, 48, 64) for p in (False, True)]
+        out += [dict(num_splits=s, block_n=128, num_stages=2) for s in (16, 32, 64)]
     else:
-        out = [dict(num_splits=s) for s in (1, 2, 3, 4, 6, 8)] + [dict(pdl=True), dict(block_n=32), dict(block_n=128)]
+        out = [dict(num_splits=s) for s in (1, 2, 3, 4, 8)] + [dict(pdl=False), dict(block_n=128)]
     if shape.page:
         out += [dict(num_stages=4), dict(num_stages=5)]
         if shape.page % cfg.BLOCK_N == 0:
@@ -167,6 +196,23 @@ def main(argv=None) -> int:
                 line(label, impl, r)
         save()
 
+        if shape.b == 1 and not shape.page:  # how close to the device's read floor is anyone here?
+            row["read_ceiling"] = {}
+            for clean in (False, True):
+                mode = "clean_flush" if clean else "write_flush"
+                try:
+                    rc = read_ceiling(device, kv_bytes(shape), clean)
+                    rc["contenders_graph_ms"] = {}
+                    for impl in ("flashport-triton", "sdpa-cudnn"):
+                        with peers.context(impl):
+                            fn = peers.decode_fn(impl, shape, q, kc, vc, lens, table)
+                            rc["contenders_graph_ms"][impl] = timing.gpu_graph_ms(fn, rep_ms=25, clean_flush=clean)[0]
+                except Exception as e:  # noqa: BLE001
+                    rc = dict(error=f"{type(e).__name__}: {e}"[:300])
+                row["read_ceiling"][mode] = rc
+                print(f"{label:<34} read ceiling ({mode}): {rc}", flush=True)
+            save()
+
         if shape.b not in (1, 16):
             continue
         for var in sweep(shape, cfg):
@@ -176,7 +222,7 @@ def main(argv=None) -> int:
                 continue
             kw = {k: v for k, v in var.items() if k not in ("tile_page_lookup", "pdl")}
             decode.TILE_PAGE_LOOKUP = var.get("tile_page_lookup", True)
-            decode.PDL = var.get("pdl", False)
+            decode.PDL = var.get("pdl", True)
             try:
                 fn = lambda: decode.kvcache_attention(spec, inputs, **kw)[0]  # noqa: E731
                 diff = (fn().float() - ref).abs().max().item()
@@ -195,7 +241,7 @@ def main(argv=None) -> int:
                 r = dict(var, error=f"{type(e).__name__}: {e}"[:300])
             finally:
                 decode.TILE_PAGE_LOOKUP = True
-                decode.PDL = False
+                decode.PDL = True
             row["variants"].append(r)
             if "error" in r:
                 print(f"{label:<34} {name:<26} {r['error'][:100]}", flush=True)

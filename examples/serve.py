@@ -13,11 +13,12 @@ queue of requests with mixed prompt lengths under continuous batching:
 The same loop then runs with PyTorch SDPA over a dense fixed-capacity cache slot per request, and
 the generated tokens must be equal (a divergence is accepted only at a near-tie of the top-2 logits, and reported).
 
-With --cuda-graph (CUDA only, experimental: its first GPU run hit a device-side index assert that is
-not yet understood, results/serve_graph_h200_failed.log) the decode step of both loops is captured in a CUDA graph per batch size, as serving engines do: a step then reads only fixed buffers (token ids, positions,
+With --cuda-graph (CUDA only, opt-in) the decode step of both loops is captured in a CUDA graph per
+batch size, as serving engines do: a step then reads only fixed buffers (token ids, positions,
 a fixed-width block table and lengths for flashport; for SDPA a fixed-capacity dense cache per slot
 and a length mask), which are updated in place before each replay.  --static-decode runs that same
-fixed-shape step without capturing it, so its logic is checked on CPU too.
+fixed-shape step without capturing it, so its logic is checked on CPU too.  (The first GPU run,
+results/serve_graph_h200_failed.log, freed tensors its graphs still read: see StaticDecode.)
 
     python examples/serve.py --tiny                                  # CPU, seconds
     python examples/serve.py --tiny --static-decode                  # CPU, the step a graph captures
@@ -319,6 +320,29 @@ class DenseSdpaKV:
 
 
 # ----------------------------------------------------------------------------- the serving loop
+def capture_step(step, pool):
+    """Capture step() -> logits in a CUDA graph (memory from `pool`) -> replay() returning the static logits.
+
+    The graph holds raw device addresses, not references: the caller keeps `step` (so every tensor it
+    closes over) alive for as long as replay() is used."""
+    # Warm up on a side stream first (Triton compilation, cuBLAS workspaces, allocator).  Rerunning
+    # the step is harmless: it rewrites the same K/V at the same positions.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(2):
+            step()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, pool=pool):
+        logits = step()
+
+    def replay():
+        graph.replay()
+        return logits
+    return replay
+
+
 class StaticDecode:
     """The decode step with static shapes for every batch size 1..max_batch, each captured in a CUDA
     graph if capture (up front, largest first, sharing one memory pool), else run eagerly (CPU).
@@ -332,36 +356,29 @@ class StaticDecode:
         self.model, self.kv = model, kv
         self.tokens = torch.zeros(max_batch, dtype=torch.int64, device=model.device)
         self.positions = torch.zeros(max_batch, dtype=torch.int64, device=model.device)
-        self.pool = torch.cuda.graph_pool_handle() if capture else None
-        self.steps = {b: self._build(b, capture) for b in range(max_batch, 0, -1)}
+        # The uncaptured steps stay referenced here for as long as the graphs live: a graph reads the
+        # tensors a step closes over by raw address (its logit rows, the block-table and length views,
+        # DenseSdpaKV's slot rows).  When only a local closure held them, they were freed right after
+        # capture, the allocator handed their memory to later eager tensors, and replays gathered
+        # x[rows] with whatever those held as rows: the "vectorized gather kernel index out of bounds"
+        # asserts of results/serve_graph_h200_failed.log.
+        self.eager = {b: self._step(b) for b in range(max_batch, 0, -1)}
+        self.graphs = {}
+        if capture:
+            pool = torch.cuda.graph_pool_handle()
+            for b, step in self.eager.items():                  # largest first
+                try:
+                    self.graphs[b] = capture_step(step, pool)
+                except RuntimeError as e:
+                    raise RuntimeError(f"capturing the decode step (batch {b}) failed; --no-cuda-graph "
+                                       f"decodes eagerly") from e
 
-    def _build(self, b: int, capture: bool):
+    def _step(self, b: int):
         attend, rows = self.kv.static_attend(b), torch.arange(b, device=self.model.device)
 
         def step():
             return self.model.forward(self.tokens[:b], self.positions[:b], attend, rows)
-        if not capture:
-            return step
-        # Warm up on a side stream first (Triton compilation, cuBLAS workspaces, allocator).  Rerunning
-        # the step is harmless: it rewrites the same K/V at the same positions.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        try:
-            with torch.cuda.graph(graph, pool=self.pool):
-                logits = step()
-        except RuntimeError as e:
-            raise RuntimeError(f"capturing the decode step (batch {b}) failed; --no-cuda-graph decodes "
-                               f"eagerly") from e
-
-        def replay():
-            graph.replay()
-            return logits
-        return replay
+        return step
 
     def __call__(self, reqs):
         b, rows = len(reqs), self.kv.load(reqs)           # rows[i]: the batch row of request i
@@ -369,7 +386,7 @@ class StaticDecode:
         ids[:, rows] = torch.tensor([[r.out[-1] for r in reqs], [r.length for r in reqs]])
         self.tokens[:b].copy_(ids[0])
         self.positions[:b].copy_(ids[1])
-        logits = self.steps[b]()
+        logits = (self.graphs or self.eager)[b]()
         return logits if rows == list(range(b)) else logits[rows]
 
 
@@ -473,9 +490,7 @@ def main(argv=None):
     p.add_argument("--tiny", action="store_true", help="tiny model and workload for CPU")
     p.add_argument("--cuda-graph", action=argparse.BooleanOptionalAction, default=False,
                    help="capture the decode step of both loops in a CUDA graph per batch size (CUDA only; "
-                        "experimental: its first H200 run stopped with a device-side index assert, "
-                        "results/serve_graph_h200_failed.log; the fixed-shape step is checked on CPU with "
-                        "--static-decode)")
+                        "the fixed-shape step is checked on CPU with --static-decode)")
     p.add_argument("--static-decode", action="store_true",
                    help="decode with the fixed-shape step that --cuda-graph captures, uncaptured (checks it on CPU)")
     args = p.parse_args(argv)

@@ -3,9 +3,11 @@ of the dense-cache SDPA loop, and finished requests' KV pages are reused.  The f
 that --cuda-graph captures on CUDA runs here uncaptured (--static-decode) and must give the same tokens."""
 from __future__ import annotations
 
+import gc
 import importlib.util
 import pathlib
 import sys
+import weakref
 
 import pytest
 import torch
@@ -115,3 +117,64 @@ def test_masked_sdpa_step_equals_sliced_sdpa(serve):
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
     for i, r in enumerate(reqs):                 # the appended token landed at each request's length
         torch.testing.assert_close(kv.k[1][rows[i], r.length], k[i])
+
+
+class _ReadsOutside(torch.overrides.TorchFunctionMode):
+    """Records (weakly) every tensor an op reads that was made before the capture began: what a CUDA
+    graph would read by raw address.  A view stands for its base (the memory it reads)."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.keep, self.outside = set(), [], {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in torch.utils._pytree.tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and id(t) not in self.made:
+                base = t if t._base is None else t._base
+                self.outside[id(base)] = (weakref.ref(base), f"{tuple(base.shape)} {base.dtype} read by {func}")
+        out = func(*args, **kwargs)
+        for t in torch.utils._pytree.tree_leaves(out):
+            if isinstance(t, torch.Tensor):            # made during capture: the graph's pool owns it
+                self.made.add(id(t))
+                self.keep.append(t)
+        return out
+
+
+def test_captured_step_inputs_outlive_capture(serve, monkeypatch):
+    # CPU stand-in for --cuda-graph: "capture" runs the step once, noting the tensors it reads from
+    # outside; "replay" first checks those are all still alive (a real graph holds raw addresses, not
+    # references: a freed index tensor's memory is reused by eager code and read as indices, the
+    # device-side assert of results/serve_graph_h200_failed.log), then reruns the step.
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    replays = []
+
+    def fake_capture(step, pool):
+        with _ReadsOutside() as reads:
+            step()
+        step_ref = weakref.ref(step)                   # a graph does not keep the Python step alive
+
+        def replay():
+            freed = [what for ref, what in reads.outside.values() if ref() is None]
+            assert step_ref() is not None and not freed, f"freed while captured: {freed}"
+            replays.append(1)
+            return step_ref()()
+        return replay
+
+    monkeypatch.setattr(serve, "capture_step", fake_capture)
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: None)
+    cfg, dev = serve.TINY, torch.device("cpu")
+    model = serve.Llama(cfg, dev, torch.float32)
+    kvs = {"paged": lambda: serve.PagedFlashportKV(cfg, 3 * 12, 4, 3, 46, dev, torch.float32),
+           "dense": lambda: serve.DenseSdpaKV(cfg, 3, 46, dev, torch.float32)}
+    tokens = {}
+    for name, make_kv in kvs.items():
+        for graph in (False, True):
+            kv = make_kv()
+            decoder = serve.StaticDecode(model, kv, 3, capture=True) if graph else None
+            gc.collect()                               # capture done: what only it referenced is gone
+            reqs = serve.make_requests(5, (3, 40), 6, cfg.vocab)
+            serve.serve(model, kv, reqs, 3, decoder)
+            tokens[name, graph] = [r.out for r in reqs]
+    assert replays                                     # the decode steps went through "replay"
+    assert tokens["paged", True] == tokens["paged", False] == tokens["dense", True] == tokens["dense", False]

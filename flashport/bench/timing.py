@@ -55,11 +55,15 @@ def _l2_flush(device) -> torch.Tensor:
 
 
 def gpu_graph_ms(fn: Callable[[], object], warmup: int = 3, rep_ms: float = 100.0,
-                 max_replays: int = 1000) -> tuple[float, str | None]:
+                 max_replays: int = 1000, clean_flush: bool = False) -> tuple[float, str | None]:
     """Median milliseconds of fn() replayed from a CUDA graph -> (ms, None).
 
     fn is warmed up on a side stream (compilation, lazy init, allocator pools), captured once, and
-    each replay is timed alone with CUDA events after an L2 flush, like do_bench.  If capture fails
+    each replay is timed alone with CUDA events after an L2 flush, like do_bench.  do_bench's flush
+    writes 256 MiB, which leaves L2 full of dirty lines that are written back while the timed call
+    runs (tens of MB of DRAM writes: several microseconds inside a 50 us decode step);
+    clean_flush=True reads the buffer after writing it, so the timed call starts from an L2 of clean
+    lines, as after the matmuls that precede attention in a model.  If capture fails
     (an op that syncs with the host, a library that cannot be captured) the result is the eager
     median of gpu_ms with the reason: (ms, "graph capture failed: ...")."""
     device = torch.device("cuda", torch.cuda.current_device())
@@ -84,6 +88,8 @@ def gpu_graph_ms(fn: Callable[[], object], warmup: int = 3, rep_ms: float = 100.
 
     def timed_replay() -> float:
         flush.zero_()
+        if clean_flush:
+            flush.view(torch.float32).sum()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         graph.replay()

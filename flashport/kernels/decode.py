@@ -159,8 +159,8 @@ def _kvcache_split_kernel(
 # A switch only so that bench/gpu_decode_probe.py can time both forms of the kernel.
 TILE_PAGE_LOOKUP = True
 # Programmatic dependent launch of the merge (sm_90+): its launch overlaps the split kernel's last
-# programs instead of following them.  Off until a graph-replay measurement says it pays.
-PDL = False
+# programs instead of following them (graph replay, H200, 1 x 32768: 48.2 -> 47.7 us at 16 splits).
+PDL = True
 
 
 def _allow_tf32() -> bool:
