@@ -28,6 +28,8 @@ import sys
 import time
 
 import torch
+import triton
+import triton.language as tl
 
 
 def reference(q, k, v):
@@ -44,23 +46,22 @@ def reference(q, k, v):
     return torch.cat(outs)
 
 
+@triton.jit
+def _read(X, N, OUT, BLOCK: tl.constexpr):
+    """Stream X once (grid-stride over BLOCK-element chunks); one partial sum per program."""
+    pid = tl.program_id(0)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for start in range(pid * BLOCK, N, tl.num_programs(0) * BLOCK):
+        offs = start + tl.arange(0, BLOCK)
+        acc += tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)
+    tl.store(OUT + pid, tl.sum(acc))
+
+
 def read_ceiling(device, nbytes: int, clean_flush: bool) -> dict:
     """Fastest graph-replayed read of `nbytes` (one streaming Triton kernel, bf16, 16-byte loads)
     over a few grid sizes and pipeline depths: the floor under any decode kernel that reads that
     many bytes once, timed exactly like the decode contenders."""
-    import triton
-    import triton.language as tl
-
     from flashport.bench.timing import gpu_graph_ms
-
-    @triton.jit
-    def _read(X, N, OUT, BLOCK: tl.constexpr):
-        pid = tl.program_id(0)
-        acc = tl.zeros([BLOCK], dtype=tl.float32)
-        for start in range(pid * BLOCK, N, tl.num_programs(0) * BLOCK):
-            offs = start + tl.arange(0, BLOCK)
-            acc += tl.load(X + offs, mask=offs < N, other=0.0).to(tl.float32)
-        tl.store(OUT + pid, tl.sum(acc))
 
     x = torch.randn(nbytes // 2, device=device, dtype=torch.bfloat16)
     sms = torch.cuda.get_device_properties(device).multi_processor_count
