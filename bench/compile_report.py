@@ -8,7 +8,7 @@ LDL/STL = spill traffic; REDG/ATOMG = global atomics).
 
 How: Triton compiles ahead of time through `JITFunction.warmup`; a stand-in driver names the target
 (GPUTarget("cuda", 90, 32)), and kernel launches are turned into warmups, so the real host launchers
-(kernels/attn_fwd.forward, attn_bwd.backward) run unchanged on small CPU tensors and every kernel they
+(kernels/attn_fwd.forward, attn_bwd.backward; --hopper-fwd adds the Gluon forward) run unchanged on small CPU tensors and every kernel they
 would launch is compiled instead.  cuobjdump (bundled with Triton) reads the cubins.  Nothing runs.
 """
 from __future__ import annotations
@@ -70,7 +70,7 @@ def report(kernel) -> dict:
     usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res))
     ops = Counter()
     for line in sass.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", line)
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", line)
         if m:
             ops[m.group(1)] += 1
     counts = {op: sum(n for name, n in ops.items() if name == op or name.startswith(op + ".")) for op in SASS_OPS}
@@ -106,6 +106,22 @@ def compile_case(d: int, causal: bool, dtype=torch.bfloat16, gqa: int = 1, confi
     return rows
 
 
+def compile_hopper_fwd(gqa: int = 2) -> list:
+    """Compile the Gluon Hopper forward (kernels/attn_fwd_hopper.py) for D=128, causal and not."""
+    from flashport.kernels import attn_fwd_hopper
+    from flashport.spec import dense_spec
+    rows = []
+    for causal in (False, True):
+        q = torch.zeros(1, 256, 2 * gqa, 128, dtype=torch.bfloat16)
+        k = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
+        spec, _ = dense_spec(q, k, k, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                             alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+        ck = attn_fwd_hopper.forward(spec, q, k, k, warmup=True)
+        rows.append({"kernel": "fwd_hopper", "d": 128, "causal": causal, "gqa": gqa, "dtype": "bfloat16",
+                     "config": None, **report(ck)})
+    return rows
+
+
 def sweep_grid(kernel: str, d: int) -> list:
     """Tile configs worth compiling for one kernel and head dim (shared memory estimate within sm_90's limit)."""
     from flashport.kernels import tuning
@@ -129,6 +145,7 @@ def main(argv=None) -> int:
     ap.add_argument("--gqa", type=int, default=1)
     ap.add_argument("--sweep", metavar="KERNEL", help="compile every tile config of a grid for this kernel "
                     "(fwd, bwd_dkdv, bwd_dq) instead of the table's choice")
+    ap.add_argument("--hopper-fwd", action="store_true", help="also compile the Gluon Hopper forward (D=128)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     driver.set_active(_HopperTarget())
@@ -144,6 +161,8 @@ def main(argv=None) -> int:
                     print(f"{args.sweep} D={d} {cfg}: {type(e).__name__}: {str(e)[:120]}")
         else:
             rows += compile_case(d, args.causal, gqa=args.gqa)
+    if args.hopper_fwd:
+        rows += compile_hopper_fwd(max(args.gqa, 1))
     print(f"{'kernel':11} {'D':>4} {'config':28} {'regs':>4} {'spill':>5} {'smem':>6} {'HGMMA':>5} {'HMMA':>4} "
           f"{'LDL/STL':>7} {'RED/ATOM':>8}")
     for r in rows:

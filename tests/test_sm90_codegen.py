@@ -35,3 +35,21 @@ def test_tuned_kernels_use_hgmma_without_spills(tmp_path, d, gqa):
         assert r["sass"]["LDL"] + r["sass"]["STL"] == 0 and r["stack_bytes"] == 0, (kernel, r["config"], r["sass"])
         # 16-byte tile loads even when the head stride (72) is not a multiple of 16 (the ALIGN hint)
         assert not any(op.startswith("LDG.E.U16") for op in r["sass_ops"]), (kernel, r["sass_ops"])
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="Triton's bundled cuobjdump is missing")
+def test_hopper_forward_compiles_to_hgmma_and_tma_without_spills(tmp_path):
+    """The Gluon forward (kernels/attn_fwd_hopper.py) has no interpreter: this is its CPU-side check."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_report.py"), "--d", "--hopper-fwd",
+                           "--gqa", "2", "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [r for r in json.loads(out.read_text()) if r["kernel"] == "fwd_hopper"]
+    assert [r["causal"] for r in rows] == [False, True]
+    for r in rows:
+        ops = r["sass_ops"]
+        assert r["sass"]["HGMMA"] > 0 and r["sass"]["HMMA"] == 0, r["sass"]
+        assert r["stack_bytes"] == 0 and r["sass"]["LDL"] + r["sass"]["STL"] == 0, r["sass"]
+        assert any(op.startswith("UTMALDG") for op in ops) and any(op.startswith("USETMAXREG") for op in ops), ops

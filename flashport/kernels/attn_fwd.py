@@ -21,6 +21,7 @@ import triton.language as tl
 
 from .common import (LN2_K, KernelArgs, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
                      offset, seq_bounds, tile_part, transform_log2)
+from . import attn_fwd_hopper
 from .tuning import launch_with_fallback
 
 
@@ -146,8 +147,12 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
     out [B, Sq, Hq, Dv] (q's dtype), lse [B, Hq, Sq] float32, lse2 (lse / ln 2, +inf where lse is
     -inf; what the backward reads).  Varlen: q [total_q, Hq, D] etc. -> out [total_q, Hq, Dv],
     lse and lse2 [Hq, total_q]; rows past cu_seqlens_q[-1] are zero with lse -inf.
-    config: a tuning.KernelConfig to force (autotuning); default: the table / fallback choice."""
+    config: a tuning.KernelConfig to force (autotuning); default: the table / fallback choice, or the
+    Hopper kernel of attn_fwd_hopper where it serves the call."""
     varlen = spec.kind == "varlen"
+    if config is None and not varlen and not attn_fwd_hopper.reasons(spec, q, k, v):
+        # The Gluon kernel with FlashAttention-3's schedule serves its subset on sm_90 (kernels/attn_fwd_hopper.py).
+        return attn_fwd_hopper.forward(spec, q, k, v)
     hq, dv = spec.heads_q, spec.head_dim_v
     if varlen:
         # Rows past cu_seqlens_q[-1] belong to no program: pre-filled here (no host sync needed).
