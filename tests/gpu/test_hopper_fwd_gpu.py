@@ -14,14 +14,15 @@ pytestmark = [pytest.mark.gpu,
 
 import flashport  # noqa: E402
 from conformance import Case, check_dense, kwargs_of, make_inputs  # noqa: E402
-from flashport.kernels import attn_fwd_hopper  # noqa: E402
 
 DEV = "cuda"
 
 
 @pytest.fixture
 def served(monkeypatch):
-    """Counts the calls the Hopper kernel served."""
+    """Counts the calls the Hopper kernel served.  (Imported here, not at collection: importing the
+    kernels before the interpreter tier sets TRITON_INTERPRET would compile them for every tier.)"""
+    from flashport.kernels import attn_fwd_hopper
     calls = []
     real = attn_fwd_hopper.forward
 
