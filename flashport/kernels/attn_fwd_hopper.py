@@ -13,8 +13,8 @@ itself.  One program per (128-row Q tile, query head, batch entry), three warp r
   intra-warpgroup overlap; the two warpgroups also interleave).
 
 Online softmax in the log2 domain with the scale folded into one FMA (as kernels/attn_fwd.py).  The
-kernel serves a deliberately small, common subset (`reasons` says what falls outside it); every other
-call runs the Triton kernel.  FLASHPORT_HOPPER_FWD=0 switches it off (rollback without a release).
+kernel serves a deliberately small, common subset (`reasons` says what falls outside it, including
+sequences too short to gain); every other call runs the Triton kernel.  FLASHPORT_HOPPER_FWD=0 switches it off (rollback without a release).
 Measured on an H200 (bench/gluon_fwd_probe.py, results/gluon_fwd_probe_h200.json): 606-635 TFLOP/s at
 D=128, non-causal, against 477-504 for the Triton forward and 599-610 for SDPA-cuDNN in the same runs.
 
@@ -46,6 +46,13 @@ STAGES = 3             # K/V ring depth: 3 x 64 KiB + the Q tile = 224 KiB of sm
 CONSUMER_REGS = 240    # setmaxnreg for the consumer warpgroups (FA3's choice at D = 128)
 TILE = 2 * BLOCK_M
 assert BLOCK_N == TILE  # a causal program's last key tile is exactly its diagonal
+# Shortest key sequences served.  Below them the Triton kernel's short-length tiles (two programs per SM)
+# measured faster on the H200 (results/bench_standard_d128_h200.json: at S=1024 238 vs 405 TF/s
+# non-causal; causal 110 vs 245 at S=512 and 325 vs 374 at S=2048), while from here up every cell
+# gained (non-causal S=2048 457 -> 635, causal S=4096 421 -> 557).  One 128-row tile per program with a
+# 224 KiB ring leaves one program per SM, and short programs pay their pipeline fill each time.
+MIN_KEYS = 2048
+MIN_KEYS_CAUSAL = 4096
 
 
 def enabled() -> bool:
@@ -80,6 +87,8 @@ def reasons(spec, q, k, v) -> list[str]:
         why.append(f"sequence lengths must be positive multiples of {TILE}")
     if spec.causal and spec.seqlen_q != spec.seqlen_k:
         why.append("causal needs Sq == Sk")
+    if spec.seqlen_k < (MIN_KEYS_CAUSAL if spec.causal else MIN_KEYS):
+        why.append(f"fewer than {MIN_KEYS_CAUSAL if spec.causal else MIN_KEYS} keys: the Triton kernel is faster there")
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
         why.append("q, k, v must be contiguous and 16-byte aligned (TMA)")
     return why

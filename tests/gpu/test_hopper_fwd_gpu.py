@@ -23,6 +23,9 @@ def served(monkeypatch):
     """Counts the calls the Hopper kernel served.  (Imported here, not at collection: importing the
     kernels before the interpreter tier sets TRITON_INTERPRET would compile them for every tier.)"""
     from flashport.kernels import attn_fwd_hopper
+    # Short shapes keep the float64 reference cheap; the length floor is a speed choice (tested below).
+    monkeypatch.setattr(attn_fwd_hopper, "MIN_KEYS", 0)
+    monkeypatch.setattr(attn_fwd_hopper, "MIN_KEYS_CAUSAL", 0)
     calls = []
     real = attn_fwd_hopper.forward
 
@@ -65,6 +68,17 @@ DECLINED = [
 def test_declined_calls_run_the_triton_kernel(case, served):
     check_dense("triton", case.replace(dtype=torch.bfloat16), DEV, grads=False)
     assert not served
+
+
+def test_short_sequences_stay_on_the_triton_kernel():
+    from flashport.kernels import attn_fwd_hopper
+    from flashport.spec import dense_spec
+    for causal, sk in ((False, attn_fwd_hopper.MIN_KEYS), (True, attn_fwd_hopper.MIN_KEYS_CAUSAL)):
+        for s in (sk - 128, sk):
+            q = torch.empty(1, s, 2, 128, device=DEV, dtype=torch.bfloat16)
+            spec, _ = dense_spec(q, q, q, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                                 alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+            assert bool(attn_fwd_hopper.reasons(spec, q, q, q)) == (s < sk), (causal, s)
 
 
 def test_switch_off_and_agreement_with_the_triton_kernel(served, monkeypatch):
