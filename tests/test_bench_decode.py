@@ -83,3 +83,19 @@ def test_probe_reference_is_exact_attention():
         if torch.cuda.is_available():
             pytest.skip("CUDA present: the probe would run")
         probe.main(["--out", "/nonexistent/x.json"])
+
+
+def test_suite_checkpoints_after_every_shape(monkeypatch):
+    """A GPU suite cut short by a time limit keeps what it measured: run_suite hands the entries so far,
+    with ratios, to the checkpoint after each shape (the CLI rewrites the JSON there)."""
+    from flashport.bench.shapes import gpu_suite
+    shapes = gpu_suite("standard", quick=True)[:3]
+
+    def fake_dense(suite, shape, impls, device, ceil, tick):
+        return [gpu._entry(suite, shape, i, "fwd", status="ok", ms=1.0 if i == gpu.FLASHPORT else 2.0) for i in impls]
+    monkeypatch.setattr(gpu, "_dense", fake_dense)
+    seen = []
+    entries = gpu.run_suite("standard", shapes, [gpu.FLASHPORT, "sdpa-cudnn"], "cpu", {}, lambda: None,
+                            checkpoint=lambda done: seen.append([dict(e) for e in done]))
+    assert [len(s) for s in seen] == [2, 4, 6] and len(entries) == 6
+    assert seen[0][0]["speedup_vs"] == {"sdpa-cudnn": 2.0}

@@ -87,7 +87,14 @@ def run(args: argparse.Namespace) -> int:
         ceil = ceilings(device)
         n = sum(len([i for i in impls if s.kind != "decode" or i in peers.DECODE]) for s in shapes)
         bar, tick = _progress(n, f"{suite}: flashport vs peers")
-        entries = gpu.run_suite(suite, shapes, impls, device, ceil, tick)
+        partial_path = os.path.join(args.out, stem + ".json")
+
+        def checkpoint(done):  # the JSON so far, marked partial: a cut run keeps what it measured
+            part = report.document(suite, device, done, ceil, time.perf_counter() - t0)
+            part["partial"] = (f"{len({e['label'] for e in done})} of {len(shapes)} shapes; "
+                               f"the run stopped before the rest")
+            report.write_json(part, partial_path)
+        entries = gpu.run_suite(suite, shapes, impls, device, ceil, tick, checkpoint)
         table = report.gpu_table(entries)
     if bar is not None:
         bar.close()

@@ -141,7 +141,9 @@ def add_ratios(entries: list[dict], ceil: dict) -> None:
                                           if n != FLASHPORT and e.get("graph_ms") and not e.get("graph_fallback")}
 
 
-def run_suite(suite: str, shapes: list[Shape], impls, device, ceil: dict, tick) -> list[dict]:
+def run_suite(suite: str, shapes: list[Shape], impls, device, ceil: dict, tick, checkpoint=None) -> list[dict]:
+    """Time every shape x implementation; checkpoint(entries) after each shape (the CLI rewrites the
+    JSON then, so a run cut short by a time limit keeps what it measured)."""
     entries = []
     for shape in shapes:
         runner = _decode if shape.kind == "decode" else _dense
@@ -153,5 +155,8 @@ def run_suite(suite: str, shapes: list[Shape], impls, device, ceil: dict, tick) 
             for _ in use:
                 tick()
         torch.cuda.empty_cache()
+        if checkpoint is not None:
+            add_ratios(entries, ceil)
+            checkpoint(entries)
     add_ratios(entries, ceil)
     return entries
