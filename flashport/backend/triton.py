@@ -105,7 +105,10 @@ class TritonBackend(dispatch.Backend):
                     "paged_kvcache": True, "dropout": True, "alibi": True, "softcap": True, "window": True,
                     "deterministic_backward": True, "max_head_dim": MAX_HEAD_DIM,
                     "dtypes": ["float16", "bfloat16", "float32"],
-                    "devices": "cuda (compute capability >= 8.0); cpu with TRITON_INTERPRET=1"}
+                    "devices": "cuda (compute capability >= 8.0); cpu with TRITON_INTERPRET=1",
+                    "hopper_forward": "sm_90: D=128 bf16/fp16 contiguous forward, lengths a multiple of 128 "
+                                      "(>= 2048 keys, 4096 causal), no window/softcap/ALiBi/dropout: Gluon "
+                                      "kernel with FlashAttention-3's schedule (FLASHPORT_HOPPER_FWD=0: off)"}
 
     def availability(self) -> list[str]:
         if _triton_version() is None:
