@@ -222,8 +222,9 @@ def main(argv=None) -> int:
                 row["variants"].append(dict(var, skipped="time budget"))
                 continue
             kw = {k: v for k, v in var.items() if k not in ("tile_page_lookup", "pdl")}
-            decode.TILE_PAGE_LOOKUP = var.get("tile_page_lookup", True)
-            decode.PDL = var.get("pdl", True)
+            saved = decode.TILE_PAGE_LOOKUP, decode.PDL
+            decode.TILE_PAGE_LOOKUP = var.get("tile_page_lookup", saved[0])
+            decode.PDL = var.get("pdl", saved[1])
             try:
                 fn = lambda: decode.kvcache_attention(spec, inputs, **kw)[0]  # noqa: E731
                 diff = (fn().float() - ref).abs().max().item()
@@ -241,8 +242,7 @@ def main(argv=None) -> int:
             except Exception as e:  # noqa: BLE001
                 r = dict(var, error=f"{type(e).__name__}: {e}"[:300])
             finally:
-                decode.TILE_PAGE_LOOKUP = True
-                decode.PDL = True
+                decode.TILE_PAGE_LOOKUP, decode.PDL = saved
             row["variants"].append(r)
             if "error" in r:
                 print(f"{label:<34} {name:<26} {r['error'][:100]}", flush=True)

@@ -93,6 +93,7 @@ def run(args: argparse.Namespace) -> int:
             part = report.document(suite, device, done, ceil, time.perf_counter() - t0)
             part["partial"] = (f"{len({e['label'] for e in done})} of {len(shapes)} shapes; "
                                f"the run stopped before the rest")
+            part["environment"]["loadavg_at_start"] = load0
             report.write_json(part, partial_path)
         entries = gpu.run_suite(suite, shapes, impls, device, ceil, tick, checkpoint)
         table = report.gpu_table(entries)

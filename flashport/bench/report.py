@@ -58,9 +58,12 @@ def document(suite: str, device, entries: list[dict], ceilings: dict | None = No
 
 
 def write_json(doc: dict, path: str) -> None:
+    """Write atomically (temporary file, then rename): a run killed mid-write leaves the last good JSON."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path, "w") as f:
+    tmp = path + ".tmp"
+    with open(tmp, "w") as f:
         json.dump(doc, f, indent=1, default=str)
+    os.replace(tmp, path)
 
 
 # ----------------------------------------------------------------------------- tables

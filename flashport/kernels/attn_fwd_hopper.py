@@ -14,9 +14,10 @@ itself.  One program per (128-row Q tile, query head, batch entry), three warp r
 
 Online softmax in the log2 domain with the scale folded into one FMA (as kernels/attn_fwd.py).  The
 kernel serves a deliberately small, common subset (`reasons` says what falls outside it, including
-sequences too short to gain); every other call runs the Triton kernel.  FLASHPORT_HOPPER_FWD=0 switches it off (rollback without a release).
-Measured on an H200 (bench/gluon_fwd_probe.py, results/gluon_fwd_probe_h200.json): 606-635 TFLOP/s at
-D=128, non-causal, against 477-504 for the Triton forward and 599-610 for SDPA-cuDNN in the same runs.
+sequences too short to gain); every other call runs the Triton kernel.  FLASHPORT_HOPPER_FWD=0
+switches it off (rollback without a release).  Measured on an H200 (bench/gluon_fwd_probe.py,
+results/gluon_fwd_probe_h200_run{2,3}.json: this schedule, `gluon_n128_s3_ov`): 606-635 TFLOP/s at
+D=128, non-causal, against 477-500 for the Triton forward and 599-609 for SDPA-cuDNN in the same runs.
 
 Equivalent PyTorch math: kernels/attn_fwd.py's (no softcap, ALiBi, dropout or window; causal with
 Sq == Sk).  Outputs: out [B, Sq, Hq, D], lse [B, Hq, Sq] (natural log) and lse2 = lse / ln 2 (what the
@@ -28,8 +29,9 @@ import functools
 import os
 
 import torch
+import triton
 
-try:  # Gluon ships with Triton >= 3.5; without it this path simply declines every call
+try:  # Gluon ships with recent Triton; without it (or another version: TESTED_TRITON) this path declines
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
@@ -46,17 +48,23 @@ STAGES = 3             # K/V ring depth: 3 x 64 KiB + the Q tile = 224 KiB of sm
 CONSUMER_REGS = 240    # setmaxnreg for the consumer warpgroups (FA3's choice at D = 128)
 TILE = 2 * BLOCK_M
 assert BLOCK_N == TILE  # a causal program's last key tile is exactly its diagonal
-# Shortest key sequences served.  Below them the Triton kernel's short-length tiles (two programs per SM)
-# measured faster on the H200 (results/bench_standard_d128_h200.json: at S=1024 238 vs 405 TF/s
-# non-causal; causal 110 vs 245 at S=512 and 325 vs 374 at S=2048), while from here up every cell
-# gained (non-causal S=2048 457 -> 635, causal S=4096 421 -> 557).  One 128-row tile per program with a
-# 224 KiB ring leaves one program per SM, and short programs pay their pipeline fill each time.
+# Shortest sequences served.  In the one same-run comparison we have (results/bench_standard_d128_h200.json,
+# the Hopper kernel serving every D=128 cell, against the Triton kernel's numbers of the previous run,
+# results/bench_standard_h200.json) every cell from here up gained (non-causal S=2048 457 -> 635 TF/s,
+# causal S=4096 421 -> 557) while shorter ones were mixed: non-causal S=512 gained (232 -> 368) but S=1024
+# lost (405 -> 238, out of line with S=512 and not re-measured), causal S=512 and 2048 lost (245 -> 110,
+# 374 -> 325).  One 128-row program per SM (a 224 KiB ring) pays its pipeline fill per program, which
+# weighs most on short ones.  Conservative floors until a same-run A/B (FLASHPORT_HOPPER_FWD=0) says more;
+# Sq is held to the same floor because short-Sq / long-Sk shapes (few programs) were never measured.
 MIN_KEYS = 2048
 MIN_KEYS_CAUSAL = 4096
+TESTED_TRITON = "3.6"   # the Gluon API this kernel is written against (Gluon is experimental upstream)
+MAX_GRID_Y = 65535      # CUDA's limit on the grid's second dimension (here batch * heads)
 
 
 def enabled() -> bool:
-    return gluon is not None and os.environ.get("FLASHPORT_HOPPER_FWD", "1") != "0"
+    return (gluon is not None and triton.__version__.startswith(TESTED_TRITON)
+            and os.environ.get("FLASHPORT_HOPPER_FWD", "1") != "0")
 
 
 @functools.lru_cache(maxsize=None)
@@ -65,33 +73,33 @@ def _capability(index: int) -> tuple[int, int]:
 
 
 def reasons(spec, q, k, v) -> list[str]:
-    """Why this kernel cannot serve the call (empty: it can).  Cheap: shapes, flags and strides only."""
-    if not enabled():
-        return ["Gluon unavailable or FLASHPORT_HOPPER_FWD=0"]
-    if spec.device.type != "cuda":
-        return ["needs an sm_90 (Hopper) GPU"]
-    why = []
-    if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
-        why.append("needs an sm_90 (Hopper) GPU")
-    if spec.kind != "dense":
-        why.append("dense layout only")
-    if spec.dtype not in (torch.bfloat16, torch.float16):
-        why.append("bfloat16 / float16 only")
+    """Why this kernel cannot serve the call (empty: it can).  Runs on every forward, so the cheapest
+    checks come first and the first failing one is the answer."""
     if spec.head_dim != HEAD_DIM or spec.head_dim_v != HEAD_DIM:
-        why.append(f"head dim {HEAD_DIM} only")
+        return [f"head dim {HEAD_DIM} only"]
+    if spec.kind != "dense" or spec.device.type != "cuda":
+        return ["dense CUDA tensors only"]
+    if spec.dtype not in (torch.bfloat16, torch.float16):
+        return ["bfloat16 / float16 only"]
     if spec.softcap > 0 or spec.alibi is not None or spec.dropout_p > 0 or spec.softmax_scale <= 0:
-        why.append("no softcap, ALiBi or dropout; positive softmax scale")
+        return ["no softcap, ALiBi or dropout; positive softmax scale"]
     if spec.window_left >= 0 or (spec.window_right >= 0 and not spec.causal):
-        why.append("no sliding window")
-    if spec.seqlen_q % TILE or spec.seqlen_k % BLOCK_N or spec.seqlen_q == 0 or spec.seqlen_k == 0:
-        why.append(f"sequence lengths must be positive multiples of {TILE}")
+        return ["no sliding window"]
     if spec.causal and spec.seqlen_q != spec.seqlen_k:
-        why.append("causal needs Sq == Sk")
-    if spec.seqlen_k < (MIN_KEYS_CAUSAL if spec.causal else MIN_KEYS):
-        why.append(f"fewer than {MIN_KEYS_CAUSAL if spec.causal else MIN_KEYS} keys: the Triton kernel is faster there")
+        return ["causal needs Sq == Sk"]
+    floor = MIN_KEYS_CAUSAL if spec.causal else MIN_KEYS
+    if spec.seqlen_q % TILE or spec.seqlen_k % BLOCK_N or min(spec.seqlen_q, spec.seqlen_k) < floor:
+        return [f"sequence lengths must be multiples of {TILE} and at least {floor} (shorter: the Triton "
+                f"kernel measured as fast or faster)"]
+    if spec.batch == 0 or spec.batch * spec.heads_q > MAX_GRID_Y:
+        return [f"batch * heads must be in [1, {MAX_GRID_Y}]"]
+    if not enabled():
+        return [f"Gluon (Triton {TESTED_TRITON}.x) unavailable or FLASHPORT_HOPPER_FWD=0"]
+    if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
+        return ["needs an sm_90 (Hopper) GPU"]
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
-        why.append("q, k, v must be contiguous and 16-byte aligned (TMA)")
-    return why
+        return ["q, k, v must be contiguous and 16-byte aligned (TMA)"]
+    return []
 
 
 if gluon is not None:

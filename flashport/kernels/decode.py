@@ -159,8 +159,11 @@ def _kvcache_split_kernel(
 # A switch only so that bench/gpu_decode_probe.py can time both forms of the kernel.
 TILE_PAGE_LOOKUP = True
 # Programmatic dependent launch of the merge (sm_90+): its launch overlaps the split kernel's last
-# programs instead of following them (graph replay, H200, 1 x 32768: 48.2 -> 47.7 us at 16 splits).
+# programs instead of following them.  Graph replay, H200, 1 x 32768 (results/decode_probe_h200_s3b.json):
+# 0.3-0.7 us faster at 16-48 splits for every layout, mixed at 64 (page 256 0.6 us faster, dense 0.7 and
+# page 16 2.6 us slower), so only up to PDL_MAX_SPLITS.
 PDL = True
+PDL_MAX_SPLITS = 48
 
 
 def _allow_tf32() -> bool:
@@ -250,12 +253,12 @@ def launch_plan(spec, sms: int, smem: int, interpreter: bool, tf32: bool, num_sp
         HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0,
         SOFTCAP=softcap > 0, ALIBI=spec.alibi is not None,
         DOT_PRECISION="ieee" if spec.dtype == torch.float32 and not tf32 else "tf32",
-        LAUNCH_DEPENDENTS=pdl and num_splits > 1,
+        LAUNCH_DEPENDENTS=pdl and 1 < num_splits <= PDL_MAX_SPLITS,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return LaunchPlan(cfg, m_blocks, num_splits, qk_scale=spec.softmax_scale * LOG2E,
                       cap_in=spec.softmax_scale / softcap if softcap > 0 else 0.0, cap_out=softcap * LOG2E,
-                      constexprs=constexprs, pdl=pdl and num_splits > 1)
+                      constexprs=constexprs, pdl=pdl and 1 < num_splits <= PDL_MAX_SPLITS)
 
 
 def plan_for(spec, device: torch.device, *, num_splits=None, block_m=None, block_n=None,

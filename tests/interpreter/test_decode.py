@@ -409,3 +409,18 @@ def test_split_heuristic_waves_and_stage_override():
     assert choose_config(4, 128, 128, 2, 227 * 1024, interpreter=False, num_stages=5).num_stages == 5
     assert choose_config(4, 128, 128, 2, 40 * 1024, interpreter=False, num_stages=5) is None
     assert choose_config(4, 128, 128, 2, 40 * 1024, interpreter=False).num_stages < 3
+
+
+def test_pdl_only_where_it_measured_faster():
+    """Programmatic dependent launch of the merge: only with 2..PDL_MAX_SPLITS splits (the probe found it
+    slower at 64 splits); never without a merge."""
+    from flashport.kernels import decode
+    from flashport.spec import kvcache_spec
+    q = torch.zeros(1, 1, 4, 16)
+    kc = torch.zeros(1, 4096, 1, 16)
+    spec, _, _ = kvcache_spec(q, kc, kc, None, None, cache_seqlens=None, block_table=None, causal=False,
+                              softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                              return_lse=False)
+    for splits, want in ((1, False), (2, True), (decode.PDL_MAX_SPLITS, True), (decode.PDL_MAX_SPLITS + 1, False)):
+        plan = decode.launch_plan(spec, 132, 1 << 20, False, False, num_splits=splits, pdl=True)
+        assert plan.pdl is want and plan.constexprs["LAUNCH_DEPENDENTS"] is want, splits
