@@ -42,6 +42,7 @@ SERVED = [
     Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=128),
     Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=128, causal=True),
     Case(b=1, sq=384, sk=640, hq=8, hkv=2, d=128),                   # Sq != Sk, GQA
+    Case(b=2, sq=256, sk=512, hq=4, hkv=2, d=128),                   # Sq != Sk with B > 1: b*Sq vs b*Sk rows
     Case(b=1, sq=1024, sk=1024, hq=4, hkv=1, d=128, causal=True),    # MQA, 8 causal tiles per head
     Case(b=1, sq=128, sk=128, hq=2, hkv=2, d=128, causal=True, scale=0.3),
 ]
@@ -68,6 +69,21 @@ DECLINED = [
 def test_declined_calls_run_the_triton_kernel(case, served):
     check_dense("triton", case.replace(dtype=torch.bfloat16), DEV, grads=False)
     assert not served
+
+
+@pytest.mark.parametrize("causal", [False, True])
+def test_served_at_the_shipped_length_floor(causal, monkeypatch):
+    """With the shipped gate (no lowered floor): the shortest served call conforms, forward and lse."""
+    from flashport.kernels import attn_fwd_hopper
+    if not attn_fwd_hopper.enabled():
+        pytest.skip("Gluon unavailable")
+    calls = []
+    real = attn_fwd_hopper.forward
+    monkeypatch.setattr(attn_fwd_hopper, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
+    s = attn_fwd_hopper.MIN_KEYS_CAUSAL if causal else attn_fwd_hopper.MIN_KEYS
+    check_dense("triton", Case(b=1, sq=s, sk=s, hq=2, hkv=1, d=128, causal=causal, dtype=torch.bfloat16), DEV,
+                grads=False)
+    assert calls
 
 
 def test_short_sequences_stay_on_the_triton_kernel():
