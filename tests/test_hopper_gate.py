@@ -48,3 +48,28 @@ def test_gate_declines_cpu_tensors_and_switch_off(monkeypatch):
     monkeypatch.setenv("FLASHPORT_HOPPER_FWD", "0")
     assert not attn_fwd_hopper.enabled()
     assert "FLASHPORT_HOPPER_FWD" in attn_fwd_hopper.reasons(spec, q, k, k)[0]
+
+
+def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch):
+    """Safe fallback: if the toolchain rejects the Gluon kernel, forward() warns once and returns None (the
+    caller runs the Triton kernel), and the gate declines that variant from then on."""
+    from flashport.kernels import attn_fwd_hopper
+    if attn_fwd_hopper.gluon is None:
+        pytest.skip("Gluon not installed")
+
+    class Rejecting:
+        def warmup(self, *a, **kw):
+            raise RuntimeError("ptxas: unsupported")
+    monkeypatch.setattr(attn_fwd_hopper, "_attn_fwd_hopper", Rejecting())
+    monkeypatch.setattr(attn_fwd_hopper, "broken", {})
+    monkeypatch.setattr(attn_fwd_hopper, "_compiled", set())
+    q = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
+    spec, _ = dense_spec(q, q, q, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+    with pytest.warns(RuntimeWarning, match="failed to compile"):
+        assert attn_fwd_hopper.forward(spec, q, q, q) is None
+    assert "ptxas: unsupported" in attn_fwd_hopper.broken[(torch.bfloat16, True, q.device)]
+    gpu_spec, gq, gk = _spec(causal=True)
+    attn_fwd_hopper.broken[(gpu_spec.dtype, True, gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
+    monkeypatch.setattr(attn_fwd_hopper, "enabled", lambda: True)
+    assert "failed to compile" in attn_fwd_hopper.reasons(gpu_spec, gq, gk, gk)[0]

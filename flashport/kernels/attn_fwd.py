@@ -151,8 +151,11 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
     Hopper kernel of attn_fwd_hopper where it serves the call."""
     varlen = spec.kind == "varlen"
     if config is None and not varlen and not attn_fwd_hopper.reasons(spec, q, k, v):
-        # The Gluon kernel with FlashAttention-3's schedule serves its subset on sm_90 (kernels/attn_fwd_hopper.py).
-        return attn_fwd_hopper.forward(spec, q, k, v)
+        # The Gluon kernel with FlashAttention-3's schedule serves its subset on sm_90 (kernels/attn_fwd_hopper.py);
+        # None: it failed to compile here and has switched itself off.
+        result = attn_fwd_hopper.forward(spec, q, k, v)
+        if result is not None:
+            return result
     hq, dv = spec.heads_q, spec.head_dim_v
     if varlen:
         # Rows past cu_seqlens_q[-1] belong to no program: pre-filled here (no host sync needed).

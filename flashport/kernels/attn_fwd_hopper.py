@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import os
+import warnings
 
 import torch
 import triton
@@ -95,6 +96,8 @@ def reasons(spec, q, k, v) -> list[str]:
         return [f"batch * heads must be in [1, {MAX_GRID_Y}]"]
     if not enabled():
         return [f"Gluon (Triton {TESTED_TRITON}.x) unavailable or FLASHPORT_HOPPER_FWD=0"]
+    if (spec.dtype, spec.causal, spec.device) in broken:
+        return ["failed to compile here: " + broken[(spec.dtype, spec.causal, spec.device)]]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return ["needs an sm_90 (Hopper) GPU"]
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
@@ -268,9 +271,16 @@ def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     return TensorDescriptor.from_tensor(t.view(b * s, h * d), [rows, d], layout)
 
 
+# Compiled variants (dtype, causal, device) and the ones whose compilation failed, with the reason: a
+# failure switches this path off for that variant (one warning), and the Triton kernel serves instead.
+_compiled: set = set()
+broken: dict = {}
+
+
 def forward(spec, q, k, v, warmup: bool = False):
-    """q [B, Sq, Hq, 128], k / v [B, Sk, Hkv, 128] (a call `reasons` accepts) -> (out, lse, lse2).
-    warmup=True compiles without launching and returns the compiled kernel (bench/compile_report.py)."""
+    """q [B, Sq, Hq, 128], k / v [B, Sk, Hkv, 128] (a call `reasons` accepts) -> (out, lse, lse2), or None
+    when the kernel fails to compile here (the caller then runs the Triton kernel).  warmup=True
+    compiles without launching and returns the compiled kernel (bench/compile_report.py)."""
     b, sq, hq, d = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
@@ -280,6 +290,17 @@ def forward(spec, q, k, v, warmup: bool = False):
             lse, lse2, sq, spec.seqlen_k, hq, spec.group_size, spec.softmax_scale * LOG2E)
     if warmup:
         return _attn_fwd_hopper.warmup(*args, grid=grid, CAUSAL=spec.causal, num_warps=4)
+    variant = (q.dtype, spec.causal, q.device)
+    if variant not in _compiled:
+        try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
+            _attn_fwd_hopper.warmup(*args, grid=grid, CAUSAL=spec.causal, num_warps=4)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernel"
+            broken[variant] = f"{type(e).__name__}: {e}"[:300]
+            warnings.warn(f"flashport: the Hopper forward failed to compile for {variant} and is switched off "
+                          f"for it; the Triton kernel serves instead ({broken[variant]})", RuntimeWarning,
+                          stacklevel=3)
+            return None
+        _compiled.add(variant)
     _attn_fwd_hopper[grid](*args, CAUSAL=spec.causal, num_warps=4)
     return out, lse, lse2
 
