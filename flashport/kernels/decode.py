@@ -245,6 +245,7 @@ def launch_plan(spec, sms: int, smem: int, interpreter: bool, tf32: bool, num_sp
         num_splits = choose_num_splits(spec.batch * spec.heads_kv * m_blocks, triton.cdiv(spec.seqlen_k, cfg.BLOCK_N),
                                        sms, min_tiles=min_tiles, waves=waves)
     softcap = spec.softcap
+    pdl = pdl and 1 < num_splits <= PDL_MAX_SPLITS     # only with a merge, and where it measured faster
     tile_in_page = bool(spec.paged and tile_page_lookup and spec.page_block_size % cfg.BLOCK_N == 0)
     constexprs = dict(
         GROUP=spec.group_size, HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.head_dim_v,
@@ -253,12 +254,12 @@ def launch_plan(spec, sms: int, smem: int, interpreter: bool, tf32: bool, num_sp
         HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0,
         SOFTCAP=softcap > 0, ALIBI=spec.alibi is not None,
         DOT_PRECISION="ieee" if spec.dtype == torch.float32 and not tf32 else "tf32",
-        LAUNCH_DEPENDENTS=pdl and 1 < num_splits <= PDL_MAX_SPLITS,
+        LAUNCH_DEPENDENTS=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     return LaunchPlan(cfg, m_blocks, num_splits, qk_scale=spec.softmax_scale * LOG2E,
                       cap_in=spec.softmax_scale / softcap if softcap > 0 else 0.0, cap_out=softcap * LOG2E,
-                      constexprs=constexprs, pdl=pdl and 1 < num_splits <= PDL_MAX_SPLITS)
+                      constexprs=constexprs, pdl=pdl)
 
 
 def plan_for(spec, device: torch.device, *, num_splits=None, block_m=None, block_n=None,

@@ -116,9 +116,10 @@ def choose_num_splits(programs: int, n_tiles: int, sms: int, min_tiles: int | No
     programs: batch * kv_heads * row blocks without splitting; n_tiles: BLOCK_N tiles of the cache
     capacity.  With >= 80% of the WAVES * sms slots already busy, splitting only adds the merge.
     Otherwise pick the smallest split count whose wave efficiency (waves / ceil(waves)) is within
-    95% of the best (FlashAttention uses 85%; at 1 x 32768 on an H200 that picks 14 splits = 112
-    programs for 132 SMs, 5% slower than 16: results/decode_probe_h200_s3a.json), skipping counts that do not change the tiles per split.  waves / min_tiles
-    = None read WAVES / MIN_TILES_PER_SPLIT at call time (so a retune takes effect at once)."""
+    95% of the best, skipping counts that do not change the tiles per split.  (FlashAttention uses
+    85%; at 1 x 32768 on an H200 that picks 14 splits = 112 programs for 132 SMs, 5% slower than 16:
+    results/decode_probe_h200_s3a.json.)  waves / min_tiles = None read WAVES / MIN_TILES_PER_SPLIT
+    at call time (so a retune takes effect at once)."""
     return _num_splits(programs, n_tiles, sms, MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles,
                        max_splits, WAVES if waves is None else waves)
 
