@@ -40,7 +40,9 @@ from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
-from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from flashport.kernels.attn_fwd_hopper import _descriptor  # noqa: E402
 
 LOG2E = 1.4426950408889634
 HEAD_DIM = 128
@@ -218,11 +220,8 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, num_heads, 
 
 
 def _descs(q, k, v, o, block_n):
-    """TMA descriptors over the 2D views [B*S, H*D]; a block [rows, D] at (b*S + n, h*D) is one head's tile."""
-    b, s, h, d = q.shape
-    lay = lambda rows: gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16)  # noqa: E731
-    mk = lambda t, rows: TensorDescriptor.from_tensor(t.view(b * s, h * d), [rows, d], lay(rows))  # noqa: E731
-    return mk(q, 2 * BLOCK_M), mk(k, block_n), mk(v, block_n), mk(o, BLOCK_M)
+    """TMA descriptors (the library's: one head's [rows, D] tile of the 2D view [B*S, H*D])."""
+    return _descriptor(q, 2 * BLOCK_M), _descriptor(k, block_n), _descriptor(v, block_n), _descriptor(o, BLOCK_M)
 
 
 def gluon_forward(q, k, v, block_n=128, stages=2, overlap=0, softmax_scale=None, warmup=False):
