@@ -107,7 +107,13 @@ def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
 
 def _is_int(x) -> bool:
     # Python and NumPy integers (a `max_seqlen` computed with NumPy is still an int); bool is not one.
-    return isinstance(x, Integral) and not isinstance(x, bool)
+    # The exact-type test first: the ABC check costs microseconds on every call of a hot loop.
+    return type(x) is int or (isinstance(x, Integral) and not isinstance(x, bool))
+
+
+def _is_real(x) -> bool:
+    # float / int / NumPy reals; bool is not one (exact types first, as in _is_int).
+    return type(x) in (float, int) or (isinstance(x, Real) and not isinstance(x, bool))
 
 
 def _index(x: torch.Tensor) -> torch.Tensor:
@@ -147,7 +153,7 @@ def _check_qkv(q, k, v, names=("q", "k", "v")) -> None:
 def _scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
-    if isinstance(softmax_scale, bool) or not isinstance(softmax_scale, Real):
+    if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
     if not math.isfinite(float(softmax_scale)):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
@@ -171,7 +177,7 @@ def _window(window_size, causal: bool) -> tuple[int, int]:
 
 
 def _softcap(softcap) -> float:
-    if isinstance(softcap, bool) or not isinstance(softcap, Real):
+    if not _is_real(softcap):
         raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
     if not math.isfinite(float(softcap)) or softcap < 0:
         raise ValueError(f"softcap must be finite and >= 0, got {softcap}")
@@ -179,7 +185,7 @@ def _softcap(softcap) -> float:
 
 
 def _dropout(dropout_p) -> float:
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, Real):
+    if not _is_real(dropout_p):
         raise TypeError(f"dropout_p must be a real number, got {type(dropout_p).__name__}")
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"dropout_p must be in [0, 1), got {dropout_p}")

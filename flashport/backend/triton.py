@@ -111,34 +111,17 @@ class TritonBackend(dispatch.Backend):
                                       "kernel with FlashAttention-3's schedule (FLASHPORT_HOPPER_FWD=0: off)"}
 
     def availability(self) -> list[str]:
-        if _triton_version() is None:
-            return ["triton is not installed"]
-        if _interpreting():
-            return []
-        if not torch.cuda.is_available():
-            return ["no CUDA device (TRITON_INTERPRET=1 runs the kernels on CPU tensors)"]
-        if not any(_capability(i)[0] >= 8 for i in range(torch.cuda.device_count())):
-            return ["no CUDA device with compute capability >= 8.0"]
-        return []
+        return list(_availability(_interpreting()))
 
     def supports(self, spec: AttnSpec) -> list[str]:
-        reasons = _device_reasons(spec.device)
         if spec.kind == "kvcache":  # the KV-cache kernel states its own limits (memoised per spec there)
+            reasons = _device_reasons(spec.device)
             try:
                 from ..kernels.decode import kvcache_supports
             except ImportError:
                 return reasons + ["kvcache kernel not available"]
             return reasons + kvcache_supports(spec)
-        if spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
-            reasons.append(f"dtype {spec.dtype} is not supported (float16, bfloat16, float32)")
-        if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
-            reasons.append(f"head dim {max(spec.head_dim, spec.head_dim_v)} > {MAX_HEAD_DIM}")
-        if spec.heads_q > MAX_GRID_YZ or spec.batch > MAX_GRID_YZ:
-            reasons.append(f"batch {spec.batch} or heads {spec.heads_q} exceeds the grid limit {MAX_GRID_YZ}")
-        if not reasons and spec.device.type == "cuda":
-            from ..kernels.tuning import smem_reasons
-            reasons += smem_reasons(spec, spec.device)
-        return reasons
+        return list(_supports(spec, _interpreting()))
 
     def run(self, spec: AttnSpec, inputs: AttnInputs):
         if spec.kind == "kvcache":
@@ -151,3 +134,34 @@ class TritonBackend(dispatch.Backend):
             from ..kernels import attn_fwd
             out, lse, _ = attn_fwd.forward(spec, inputs.q, inputs.k, inputs.v, **call.tensors())
             return out, lse
+
+
+# Both answers depend only on the spec (a frozen, hashable dataclass), the installed Triton, the cards and
+# TRITON_INTERPRET (part of the key), and they are asked on every call: memoised, since a training or
+# serving loop repeats the same few shapes (each call costs microseconds of host time otherwise).
+@functools.lru_cache(maxsize=None)
+def _availability(interpreting: bool) -> tuple[str, ...]:
+    if _triton_version() is None:
+        return ("triton is not installed",)
+    if interpreting:
+        return ()
+    if not torch.cuda.is_available():
+        return ("no CUDA device (TRITON_INTERPRET=1 runs the kernels on CPU tensors)",)
+    if not any(_capability(i)[0] >= 8 for i in range(torch.cuda.device_count())):
+        return ("no CUDA device with compute capability >= 8.0",)
+    return ()
+
+
+@functools.lru_cache(maxsize=1024)
+def _supports(spec: AttnSpec, interpreting: bool) -> tuple[str, ...]:
+    reasons = _device_reasons(spec.device)
+    if spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+        reasons.append(f"dtype {spec.dtype} is not supported (float16, bfloat16, float32)")
+    if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:
+        reasons.append(f"head dim {max(spec.head_dim, spec.head_dim_v)} > {MAX_HEAD_DIM}")
+    if spec.heads_q > MAX_GRID_YZ or spec.batch > MAX_GRID_YZ:
+        reasons.append(f"batch {spec.batch} or heads {spec.heads_q} exceeds the grid limit {MAX_GRID_YZ}")
+    if not reasons and spec.device.type == "cuda":
+        from ..kernels.tuning import smem_reasons
+        reasons += smem_reasons(spec, spec.device)
+    return tuple(reasons)

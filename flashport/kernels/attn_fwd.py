@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LN2_K, KernelArgs, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
+from .common import (LN2_K, KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
                      offset, seq_bounds, tile_part, transform_log2)
 from . import attn_fwd_hopper
 from .tuning import launch_with_fallback
@@ -178,7 +178,7 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
     a.cover(out)
 
     def launch(cfg):
-        grid = (triton.cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
+        grid = (cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
         _attn_fwd[grid](
             q, k, v, out, lse, lse2, a.slopes, a.cu_q, a.cu_k, a.rng,
             *a.q_strides, *a.k_strides, *a.v_strides, *o_strides, *l_strides, a.slope_stride,

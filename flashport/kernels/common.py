@@ -304,7 +304,14 @@ class KernelArgs:
 
     def strides(self, x):
         """(batch, seq, head) strides of a [B, S, H, D] or packed [total, H, D] tensor (head dim: 1)."""
-        return (0, x.stride(0), x.stride(1)) if self.varlen else (x.stride(0), x.stride(1), x.stride(2))
+        st = x.stride()
+        return (0, st[0], st[1]) if self.varlen else st[:3]
+
+
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for launch grids in plain integer arithmetic (triton.cdiv is a constexpr function:
+    microseconds per host call, on every launch)."""
+    return -(-a // b)
 
 
 def block_dim(d: int) -> int:
