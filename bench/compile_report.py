@@ -5,11 +5,15 @@ LDL/STL = spill traffic; REDG/ATOMG = global atomics).
 
     python bench/compile_report.py                      # default configs, D in {64, 128, 256}
     python bench/compile_report.py --d 128 --json out.json
+    python bench/compile_report.py --d --hopper-fwd     # only the Gluon Hopper forward, D in {64, 128, 256}
 
 How: Triton compiles ahead of time through `JITFunction.warmup`; a stand-in driver names the target
 (GPUTarget("cuda", 90, 32)), and kernel launches are turned into warmups, so the real host launchers
-(kernels/attn_fwd.forward, attn_bwd.backward; --hopper-fwd adds the Gluon forward) run unchanged on small CPU tensors and every kernel they
-would launch is compiled instead.  cuobjdump (bundled with Triton) reads the cubins.  Nothing runs.
+(kernels/attn_fwd.forward, attn_bwd.backward) run unchanged on small CPU tensors and every kernel they
+would launch is compiled instead; --hopper-fwd adds the Gluon forward (kernels/attn_fwd_hopper.py) for
+each head dim of its tile table, causal and not.  With setmaxnreg (warp specialization) the REG count is
+only the launch allocation: "used" is the highest register the SASS touches, which must stay within the
+consumers' setmaxnreg count.  cuobjdump (bundled with Triton) reads the cubins.  Nothing runs.
 """
 from __future__ import annotations
 
@@ -75,8 +79,12 @@ def report(kernel) -> dict:
             ops[m.group(1)] += 1
     counts = {op: sum(n for name, n in ops.items() if name == op or name.startswith(op + ".")) for op in SASS_OPS}
     gmma = sorted({name for name in ops if name.startswith("HGMMA")})
+    # Registers a warp really touches: with setmaxnreg (warp-specialized kernels) REG is only the launch
+    # allocation, and the consumer partitions may grow past it up to their setmaxnreg count.
+    live = max((int(n) for n in re.findall(r"\bR(\d+)\b", sass)), default=-1) + 1
     return {"registers": int(usage.get("REG", 0)), "stack_bytes": int(usage.get("STACK", 0)),
             "local_bytes": int(usage.get("LOCAL", 0)), "shared_bytes": kernel.metadata.shared,
+            "max_register_used": live,
             "sass": counts, "hgmma_shapes": gmma, "sass_ops": dict(sorted(ops.items()))}
 
 
@@ -106,19 +114,29 @@ def compile_case(d: int, causal: bool, dtype=torch.bfloat16, gqa: int = 1, confi
     return rows
 
 
-def compile_hopper_fwd(gqa: int = 2) -> list:
-    """Compile the Gluon Hopper forward (kernels/attn_fwd_hopper.py) for D=128, causal and not."""
+def compile_hopper_fwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
+    """Compile the Gluon Hopper forward (kernels/attn_fwd_hopper.py) for each head dim it serves (default:
+    all of attn_fwd_hopper.TILES), causal and not, per dtype.  A variant the compiler rejects is reported
+    with its error (the row's "error"), not fatal."""
     from flashport.kernels import attn_fwd_hopper
     from flashport.spec import dense_spec
     rows = []
-    for causal in (False, True):
-        q = torch.zeros(1, 256, 2 * gqa, 128, dtype=torch.bfloat16)
-        k = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
-        spec, _ = dense_spec(q, k, k, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                             alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
-        ck = attn_fwd_hopper.forward(spec, q, k, k, warmup=True)
-        rows.append({"kernel": "fwd_hopper", "d": 128, "causal": causal, "gqa": gqa, "dtype": "bfloat16",
-                     "config": None, **report(ck)})
+    for d in ds or sorted(attn_fwd_hopper.TILES):
+        tiles = attn_fwd_hopper.TILES[d]
+        for dtype in dtypes:
+            for causal in (False, True):
+                q = torch.zeros(1, 256, 2 * gqa, d, dtype=dtype)
+                k = torch.zeros(1, 256, 2, d, dtype=dtype)
+                spec, _ = dense_spec(q, k, k, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                                     alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+                row = {"kernel": "fwd_hopper", "d": d, "causal": causal, "gqa": gqa, "dtype": str(dtype).split(".")[-1],
+                       "config": {"block_m": attn_fwd_hopper.TILE, "block_n": tiles.block_n, "num_warps": 12,
+                                  "num_stages": tiles.stages, "consumer_regs": tiles.consumer_regs,
+                                  "early_k": tiles.early_k}}
+                try:
+                    rows.append({**row, **report(attn_fwd_hopper.forward(spec, q, k, k, warmup=True))})
+                except Exception as e:  # noqa: BLE001 - a variant the compiler rejects is reported, not fatal
+                    rows.append({**row, "error": f"{type(e).__name__}: {e}"[:500]})
     return rows
 
 
@@ -145,7 +163,10 @@ def main(argv=None) -> int:
     ap.add_argument("--gqa", type=int, default=1)
     ap.add_argument("--sweep", metavar="KERNEL", help="compile every tile config of a grid for this kernel "
                     "(fwd, bwd_dkdv, bwd_dq) instead of the table's choice")
-    ap.add_argument("--hopper-fwd", action="store_true", help="also compile the Gluon Hopper forward (D=128)")
+    ap.add_argument("--hopper-fwd", action="store_true", help="also compile the Gluon Hopper forward (every head "
+                    "dim it serves, or only those of --d that it serves; bf16 and fp16, causal and not)")
+    ap.add_argument("--hopper-dtype", choices=("bf16", "fp16", "both"), default="both",
+                    help="--hopper-fwd: which dtypes to compile")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     driver.set_active(_HopperTarget())
@@ -162,15 +183,25 @@ def main(argv=None) -> int:
         else:
             rows += compile_case(d, args.causal, gqa=args.gqa)
     if args.hopper_fwd:
-        rows += compile_hopper_fwd(max(args.gqa, 1))
-    print(f"{'kernel':11} {'D':>4} {'config':28} {'regs':>4} {'spill':>5} {'smem':>6} {'HGMMA':>5} {'HMMA':>4} "
-          f"{'LDL/STL':>7} {'RED/ATOM':>8}")
+        from flashport.kernels.attn_fwd_hopper import TILES
+        ds = [d for d in args.d if d in TILES] or None    # none of --d served (`--d` with no value): all
+        dtypes = {"bf16": (torch.bfloat16,), "fp16": (torch.float16,), "both": (torch.bfloat16, torch.float16)}
+        rows += compile_hopper_fwd(max(args.gqa, 1), ds, dtypes[args.hopper_dtype])
+    print(f"{'kernel':11} {'D':>4} {'config':28} {'regs':>4} {'used':>4} {'spill':>5} {'smem':>6} {'HGMMA':>5} "
+          f"{'HMMA':>4} {'LDL/STL':>7} {'RED/ATOM':>8}")
     for r in rows:
         c = r["config"] or {}
         cs = f"{c.get('block_m')}x{c.get('block_n')} w{c.get('num_warps')} s{c.get('num_stages')}" if c else "-"
+        if r["kernel"] == "fwd_hopper":
+            cs += f"{' ek' if c['early_k'] else ''} {'bf16' if r['dtype'] == 'bfloat16' else 'fp16'}"
+            cs += " causal" if r["causal"] else ""
+        if "error" in r:
+            print(f"{r['kernel']:11} {r['d']:>4} {cs:28} FAILED {r['error'][:200]}")
+            continue
         s = r["sass"]
-        print(f"{r['kernel']:11} {r['d']:>4} {cs:28} {r['registers']:>4} {r['stack_bytes']:>5} {r['shared_bytes']:>6} "
-              f"{s['HGMMA']:>5} {s['HMMA']:>4} {s['LDL'] + s['STL']:>7} {s['REDG'] + s['ATOMG']:>8}")
+        print(f"{r['kernel']:11} {r['d']:>4} {cs:28} {r['registers']:>4} {r['max_register_used']:>4} "
+              f"{r['stack_bytes']:>5} {r['shared_bytes']:>6} {s['HGMMA']:>5} {s['HMMA']:>4} {s['LDL'] + s['STL']:>7} "
+              f"{s['REDG'] + s['ATOMG']:>8}")
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1) + "\n")
     return 0

@@ -1,31 +1,53 @@
 """Which calls the Gluon Hopper forward (kernels/attn_fwd_hopper.py) accepts, checked without a GPU: the
 gate runs on every forward, and anything it lets through that the kernel cannot handle would crash or
 compute garbage on an H100/H200 (the kernel itself is checked by tests/gpu/test_hopper_fwd_gpu.py and,
-compiled for sm_90a, by tests/test_sm90_codegen.py)."""
+compiled for sm_90a, by tests/test_sm90_codegen.py).  Also the per-head-dim tables (tiles, length
+floors) and the floor suggestion of bench/hopper_fwd_ab.py that those floors are read from."""
 from __future__ import annotations
 
 import dataclasses
+import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
 
 from flashport.spec import dense_spec
 
+ROOT = Path(__file__).resolve().parent.parent
+SM90_SMEM = 232448     # bytes of shared memory one block may opt into on sm_90
 
-def _spec(b=1, s=4096, hq=4, hkv=4, d=128, causal=False, sk=None, **kw):
+
+def _spec(b=1, s=4096, hq=4, hkv=4, d=128, dv=None, causal=False, sk=None, **kw):
     q = torch.empty(b, s, hq, d, dtype=torch.bfloat16, device="meta")    # shapes only, no memory
     k = torch.empty(b, sk or s, hkv, d, dtype=torch.bfloat16, device="meta")
-    spec, _ = dense_spec(q, k, k, causal=causal, softmax_scale=kw.get("scale"), window_size=kw.get("window", (-1, -1)),
+    v = torch.empty(b, sk or s, hkv, dv or d, dtype=torch.bfloat16, device="meta")
+    spec, _ = dense_spec(q, k, v, causal=causal, softmax_scale=kw.get("scale"), window_size=kw.get("window", (-1, -1)),
                          softcap=kw.get("softcap", 0.0), alibi_slopes=None, dropout_p=0.0, deterministic=False,
                          return_lse=False)
-    return dataclasses.replace(spec, device=torch.device("cuda", 0)), q, k   # as if on a GPU: no CUDA call needed
+    return dataclasses.replace(spec, device=torch.device("cuda", 0)), q, k, v   # as if on a GPU: no CUDA call
+
+
+@pytest.fixture
+def on_hopper(monkeypatch):
+    """The gate as it runs on an sm_90 GPU with Gluon available (meta tensors report data_ptr 0: aligned)."""
+    from flashport.kernels import attn_fwd_hopper
+    monkeypatch.setattr(attn_fwd_hopper, "enabled", lambda: True)
+    monkeypatch.setattr(attn_fwd_hopper, "_capability", lambda index: (9, 0))
+    return attn_fwd_hopper
 
 
 @pytest.mark.parametrize("kw, reason", [
-    (dict(d=64), "head dim"),
+    (dict(d=96), "head dim"),
+    (dict(d=32), "head dim"),
+    (dict(d=128, dv=64), "head dim"),                        # q/k and v must share D
     (dict(s=4000), "multiples of 128"),
+    (dict(s=4096, sk=4160), "multiples of 128"),             # Sk too (BLOCK_N = 64 would not catch it)
     (dict(s=1024), "at least 2048"),
+    (dict(d=64, s=1024), "at least 2048 at D=64"),
+    (dict(d=256, s=1024), "at least 2048 at D=256"),
     (dict(s=2048, causal=True), "at least 4096"),
+    (dict(d=256, s=2048, causal=True), "at least 4096 at D=256"),
     (dict(s=128, sk=8192), "at least 2048"),                 # short Sq, long Sk: never measured
     (dict(s=4096, sk=8192, causal=True), "Sq == Sk"),
     (dict(b=0), "batch * heads"),
@@ -34,25 +56,69 @@ def _spec(b=1, s=4096, hq=4, hkv=4, d=128, causal=False, sk=None, **kw):
     (dict(softcap=5.0), "softcap"),
     (dict(scale=-0.5), "positive softmax scale"),
 ])
-def test_gate_declines_what_the_kernel_cannot_serve(kw, reason):
-    from flashport.kernels import attn_fwd_hopper
-    spec, q, k = _spec(**kw)
-    got = attn_fwd_hopper.reasons(spec, q, k, k)
+def test_gate_declines_what_the_kernel_cannot_serve(kw, reason, on_hopper):
+    spec, q, k, v = _spec(**kw)
+    got = on_hopper.reasons(spec, q, k, v)
     assert got and reason in got[0], got
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("causal", [False, True])
+def test_gate_serves_every_head_dim_from_its_floor(d, causal, on_hopper):
+    floor = on_hopper.min_keys(d, causal)
+    assert floor is not None and floor % on_hopper.TILE == 0
+    for s, served in ((floor, True), (floor - on_hopper.TILE, False), (2 * floor, True)):
+        spec, q, k, v = _spec(d=d, s=s, hq=8, hkv=2, causal=causal)    # GQA
+        assert (on_hopper.reasons(spec, q, k, v) == []) == served, (d, causal, s, on_hopper.reasons(spec, q, k, v))
+    spec, q, k, v = _spec(d=d, s=128, causal=causal)                    # below the floor: only speed says no
+    assert on_hopper.reasons(spec, q, k, v) and on_hopper.reasons(spec, q, k, v, length_floor=False) == []
+    spec, q, k, v = _spec(d=d, s=0, causal=causal)                      # the kernel needs one Q and key tile
+    assert "at least 128" in on_hopper.reasons(spec, q, k, v, length_floor=False)[0]
+
+
+def test_length_floor_table_is_per_head_dim(on_hopper, monkeypatch):
+    """MIN_KEYS / MIN_KEYS_CAUSAL are data: one entry per served head dim; None switches a head dim off."""
+    for table in (on_hopper.MIN_KEYS, on_hopper.MIN_KEYS_CAUSAL):
+        assert set(table) == set(on_hopper.TILES)
+    monkeypatch.setitem(on_hopper.MIN_KEYS, 64, 512)
+    monkeypatch.setitem(on_hopper.MIN_KEYS_CAUSAL, 256, None)
+    spec, q, k, v = _spec(d=64, s=512)
+    assert on_hopper.reasons(spec, q, k, v) == []
+    spec, q, k, v = _spec(d=128, s=512)
+    assert "at least 2048" in on_hopper.reasons(spec, q, k, v)[0]             # D=128 untouched
+    spec, q, k, v = _spec(d=256, s=16384, causal=True)
+    assert "not at D=256 causal" in on_hopper.reasons(spec, q, k, v)[0]
+    spec, q, k, v = _spec(d=256, s=16384)
+    assert on_hopper.reasons(spec, q, k, v) == []                              # non-causal D=256 untouched
+
+
+def test_tile_table_fits_sm90_and_the_causal_diagonal():
+    """Every head dim's tiles: BLOCK_N divides the 128-row Q tile and is a multiple of a warpgroup's 64 rows
+    (each warpgroup then meets the diagonal in exactly one key tile), the Q tile + K/V ring fit sm_90's
+    shared memory, and the setmaxnreg counts fit the register file (two consumer warpgroups + the producer)."""
+    from flashport.kernels import attn_fwd_hopper as h
+    assert set(h.TILES) == {64, 128, 256}
+    for d, t in h.TILES.items():
+        assert h.TILE % t.block_n == 0 and t.block_n % h.BLOCK_M == 0, (d, t)
+        smem = 2 * (h.TILE * d + 2 * t.stages * t.block_n * d)
+        assert smem <= SM90_SMEM - 1024, (d, t, smem)                          # barriers + alignment slack
+        assert 2 * t.consumer_regs * 128 + 24 * 128 <= 65536 and t.consumer_regs % 8 == 0, (d, t)
+        assert isinstance(t.early_k, bool)
 
 
 def test_gate_declines_cpu_tensors_and_switch_off(monkeypatch):
     from flashport.kernels import attn_fwd_hopper
-    spec, q, k = _spec()
-    assert attn_fwd_hopper.reasons(dataclasses.replace(spec, device=torch.device("cpu")), q, k, k)
+    spec, q, k, v = _spec()
+    assert attn_fwd_hopper.reasons(dataclasses.replace(spec, device=torch.device("cpu")), q, k, v)
     monkeypatch.setenv("FLASHPORT_HOPPER_FWD", "0")
     assert not attn_fwd_hopper.enabled()
-    assert "FLASHPORT_HOPPER_FWD" in attn_fwd_hopper.reasons(spec, q, k, k)[0]
+    assert "FLASHPORT_HOPPER_FWD" in attn_fwd_hopper.reasons(spec, q, k, v)[0]
 
 
-def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch):
+@pytest.mark.parametrize("d", [64, 256])
+def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, d, on_hopper):
     """Safe fallback: if the toolchain rejects the Gluon kernel, forward() warns once and returns None (the
-    caller runs the Triton kernel), and the gate declines that variant from then on."""
+    caller runs the Triton kernel), and the gate declines that variant (dtype, D, causal) from then on."""
     from flashport.kernels import attn_fwd_hopper
     if attn_fwd_hopper.gluon is None:
         pytest.skip("Gluon not installed")
@@ -63,13 +129,51 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch):
     monkeypatch.setattr(attn_fwd_hopper, "_attn_fwd_hopper", Rejecting())
     monkeypatch.setattr(attn_fwd_hopper, "broken", {})
     monkeypatch.setattr(attn_fwd_hopper, "_compiled", set())
-    q = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
+    q = torch.zeros(1, 256, 2, d, dtype=torch.bfloat16)
     spec, _ = dense_spec(q, q, q, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                          alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
     with pytest.warns(RuntimeWarning, match="failed to compile"):
         assert attn_fwd_hopper.forward(spec, q, q, q) is None
-    assert "ptxas: unsupported" in attn_fwd_hopper.broken[(torch.bfloat16, True, q.device)]
-    gpu_spec, gq, gk = _spec(causal=True)
-    attn_fwd_hopper.broken[(gpu_spec.dtype, True, gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
-    monkeypatch.setattr(attn_fwd_hopper, "enabled", lambda: True)
-    assert "failed to compile" in attn_fwd_hopper.reasons(gpu_spec, gq, gk, gk)[0]
+    assert "ptxas: unsupported" in attn_fwd_hopper.broken[(torch.bfloat16, d, True, q.device)]
+    gpu_spec, gq, gk, gv = _spec(d=d, causal=True)
+    attn_fwd_hopper.broken[(gpu_spec.dtype, d, True, gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
+    assert "failed to compile" in attn_fwd_hopper.reasons(gpu_spec, gq, gk, gv)[0]
+    gpu_spec, gq, gk, gv = _spec(d=128, causal=True)
+    assert attn_fwd_hopper.reasons(gpu_spec, gq, gk, gv) == []         # another head dim is unaffected
+
+
+def _ab():
+    spec = importlib.util.spec_from_file_location("hopper_fwd_ab", ROOT / "bench" / "hopper_fwd_ab.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def _cell(d, s, causal, gluon_ms, triton_ms):
+    impls = {"gluon": {"ms": gluon_ms} if gluon_ms else {"error": "x"}, "triton": {"ms": triton_ms}}
+    return {"d": d, "s": s, "causal": causal, "impls": impls}
+
+
+def test_ab_suggests_the_shortest_length_from_which_gluon_always_wins():
+    ab = _ab()
+    cells = [_cell(128, 512, False, 1.0, 2.0),         # wins, but S=1024 loses: not the floor
+             _cell(128, 1024, False, 2.0, 1.5),
+             _cell(128, 2048, False, 3.0, 4.0), _cell(128, 4096, False, 6.0, 9.0),
+             _cell(128, 512, True, 1.0, 0.9), _cell(128, 1024, True, 2.0, 3.0), _cell(128, 2048, True, 2.0, 3.0),
+             _cell(256, 512, False, 1.0, 2.0), _cell(256, 1024, False, 3.0, 2.0),    # loses the longest: None
+             _cell(64, 512, False, None, 2.0), _cell(64, 1024, False, 1.0, 2.0)]     # failed short cell
+    assert ab.suggest(cells) == {(64, False): 1024, (128, False): 2048, (128, True): 1024, (256, False): None}
+    assert ab.suggest(cells, margin=0.4)[(128, False)] == 4096           # 4/3 = 1.33x is not > 1.4x
+    cells[2]["impls"]["gluon"]["mismatch"] = "max |out - triton| 0.5"    # fast but wrong: not a win
+    assert ab.suggest(cells)[(128, False)] == 4096
+
+
+def test_ab_variants_parse_into_tile_table_entries():
+    ab = _ab()
+    from flashport.kernels.attn_fwd_hopper import Tiles
+    assert ab.parse_variant("64:128:6:240") == (64, Tiles(128, 6, 240, False))
+    d, tiles = ab.parse_variant("128:128:3:232:1")
+    assert (d, tiles) == (128, Tiles(128, 3, 232, True)) and ab.variant_name(tiles) == "gluon-n128s3r232ek"
+    for bad in ("64:128:6", "64:128:6:240:1:0", "d:128:6:240"):
+        with pytest.raises(Exception, match="D:BLOCK_N:STAGES:REGS"):
+            ab.parse_variant(bad)

@@ -106,9 +106,10 @@ class TritonBackend(dispatch.Backend):
                     "deterministic_backward": True, "max_head_dim": MAX_HEAD_DIM,
                     "dtypes": ["float16", "bfloat16", "float32"],
                     "devices": "cuda (compute capability >= 8.0); cpu with TRITON_INTERPRET=1",
-                    "hopper_forward": "sm_90: D=128 bf16/fp16 contiguous forward, lengths a multiple of 128 "
-                                      "(>= 2048 keys, 4096 causal), no window/softcap/ALiBi/dropout: Gluon "
-                                      "kernel with FlashAttention-3's schedule (FLASHPORT_HOPPER_FWD=0: off)"}
+                    "hopper_forward": "sm_90: D = 64, 128 or 256 (q/k and v alike) bf16/fp16 contiguous forward, "
+                                      "lengths a multiple of 128 from per-head-dim floors (attn_fwd_hopper.MIN_KEYS / "
+                                      "MIN_KEYS_CAUSAL), no window/softcap/ALiBi/dropout: Gluon kernel with "
+                                      "FlashAttention-3's schedule (FLASHPORT_HOPPER_FWD=0: off)"}
 
     def availability(self) -> list[str]:
         return list(_availability(_interpreting()))

@@ -4,20 +4,31 @@ Triton's compiler waits for each QK^T wgmma right after issuing it, so the softm
 matmul (docs/PERFLOG.md row 14).  Gluon (Triton's lower-level dialect) lets the kernel place the waits
 itself.  One program per (128-row Q tile, query head, batch entry), three warp roles:
 
-* a producer (4 warps) issues TMA loads: the Q tile once, then K_j / V_j into a 3-stage shared-memory
-  ring guarded by mbarriers (k_ready / v_ready filled by the copy engine, kv_empty released by both
-  consumers once their P V of that stage has retired);
-* two consumer warpgroups (4 warps, 240 registers each) own 64 query rows apiece.  Per key tile j they
-  issue S_j = Q K_j^T, then acc += P_{j-1} V_{j-1}, wait for S_j only, run the softmax of S_j on the
-  CUDA cores while the P V matmul is still on the tensor cores, then wait for it (FA3's
+* a producer (4 warps) issues TMA loads: the Q tile once, then K_j / V_j into a STAGES-deep
+  shared-memory ring guarded by mbarriers (k_ready / v_ready filled by the copy engine; v_empty
+  released by both consumers once their P V_j has retired, and k_empty (EARLY_K) once their Q K_j^T
+  has: as in FA3, K_{j+STAGES} then loads while P_j V_j still runs, which a 2-stage ring (D=256)
+  needs to stay fed; without EARLY_K one release frees both tiles, the schedule measured at D=128);
+* two consumer warpgroups (4 warps, CONSUMER_REGS registers each) own 64 query rows apiece.  Per key
+  tile j they issue S_j = Q K_j^T, then acc += P_{j-1} V_{j-1}, wait for S_j only, run the softmax of
+  S_j on the CUDA cores while the P V matmul is still on the tensor cores, then wait for it (FA3's
   intra-warpgroup overlap; the two warpgroups also interleave).
+
+Head dims 64, 128 and 256 (q/k and v alike) share this one kernel; TILES picks BLOCK_N (keys per
+tile) and the ring depth per head dim to fit sm_90's 227 KiB of shared memory and the consumers'
+registers without spilling (bench/compile_report.py --hopper-fwd checks both for sm_90a).  Causal:
+BLOCK_N divides the 128-row Q tile, and a consumer's 64 rows meet the diagonal in exactly one key
+tile (its last, masked); a key tile that lies wholly above a warpgroup's rows (BLOCK_N = 64: the
+program's last tile, for the first warpgroup) is not computed, only released to the producer.
 
 Online softmax in the log2 domain with the scale folded into one FMA (as kernels/attn_fwd.py).  The
 kernel serves a deliberately small, common subset (`reasons` says what falls outside it, including
-sequences too short to gain); every other call runs the Triton kernel.  FLASHPORT_HOPPER_FWD=0
-switches it off (rollback without a release).  Measured on an H200 (bench/gluon_fwd_probe.py,
-results/gluon_fwd_probe_h200_run{2,3}.json: this schedule, `gluon_n128_s3_ov`): 606-635 TFLOP/s at
-D=128, non-causal, against 477-500 for the Triton forward and 599-609 for SDPA-cuDNN in the same runs.
+sequences too short to gain: MIN_KEYS / MIN_KEYS_CAUSAL per head dim); every other call runs the
+Triton kernel.  FLASHPORT_HOPPER_FWD=0 switches it off (rollback without a release).  Measured on an
+H200 (bench/gluon_fwd_probe.py, results/gluon_fwd_probe_h200_run{2,3}.json: the D=128 schedule,
+`gluon_n128_s3_ov`): 606-635 TFLOP/s at D=128, non-causal, against 477-500 for the Triton forward and
+599-609 for SDPA-cuDNN in the same runs.  bench/hopper_fwd_ab.py is the same-run A/B (Gluon vs
+Triton vs cuDNN per head dim, length and mask) that the length floors are read from.
 
 Equivalent PyTorch math: kernels/attn_fwd.py's (no softcap, ALiBi, dropout or window; causal with
 Sq == Sk).  Outputs: out [B, Sq, Hq, D], lse [B, Hq, Sq] (natural log) and lse2 = lse / ln 2 (what the
@@ -28,6 +39,7 @@ from __future__ import annotations
 import functools
 import os
 import warnings
+from typing import NamedTuple
 
 import torch
 import triton
@@ -42,23 +54,35 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 LOG2E = 1.4426950408889634
-HEAD_DIM = 128
 BLOCK_M = 64           # query rows per consumer warpgroup; a program's Q tile is 2 * BLOCK_M = 128 rows
-BLOCK_N = 128          # keys per tile (= the Q tile, so a causal program's last tile is its diagonal)
-STAGES = 3             # K/V ring depth: 3 x 64 KiB + the Q tile = 224 KiB of sm_90's 227 KiB
-CONSUMER_REGS = 240    # setmaxnreg for the consumer warpgroups (FA3's choice at D = 128)
 TILE = 2 * BLOCK_M
-assert BLOCK_N == TILE  # a causal program's last key tile is exactly its diagonal
-# Shortest sequences served.  In the one same-run comparison we have (results/bench_standard_d128_h200.json,
-# the Hopper kernel serving every D=128 cell, against the Triton kernel's numbers of the previous run,
-# results/bench_standard_h200.json) every cell from here up gained (non-causal S=2048 457 -> 635 TF/s,
-# causal S=4096 421 -> 557) while shorter ones were mixed: non-causal S=512 gained (232 -> 368) but S=1024
-# lost (405 -> 238, out of line with S=512 and not re-measured), causal S=512 and 2048 lost (245 -> 110,
-# 374 -> 325).  One 128-row program per SM (a 224 KiB ring) pays its pipeline fill per program, which
-# weighs most on short ones.  Conservative floors until a same-run A/B (FLASHPORT_HOPPER_FWD=0) says more;
+
+
+class Tiles(NamedTuple):
+    """Per-head-dim tiling.  Shared memory = Q tile (TILE x D) + stages x (K + V tiles, BLOCK_N x D each)."""
+    block_n: int        # keys per tile; divides TILE, so the causal diagonal lies on tile boundaries
+    stages: int         # K/V ring depth
+    consumer_regs: int  # setmaxnreg of each consumer warpgroup (FA3's 240 at every head dim)
+    early_k: bool       # release K_j once Q K_j^T retired (its own barrier), not with V_j after P V
+
+
+TILES = {
+    64: Tiles(128, 4, 240, False),    # 16 KiB Q + 4 x 32 KiB ring = 144 KiB; acc 32 + S 64 registers / thread
+    128: Tiles(128, 3, 240, False),   # 32 KiB Q + 3 x 64 KiB = 224 KiB of 227; acc 64 + S 64
+    # 64 KiB Q + 2 x 64 KiB = 192 KiB (BLOCK_N = 128 fits one stage only and spills; a third stage needs
+    # 256 KiB); acc 128 + S 32.  Two stages: K_{j+2} can only load early if K_j is released early.
+    256: Tiles(64, 2, 240, True),
+}
+assert all(TILE % t.block_n == 0 and t.block_n % BLOCK_M == 0 for t in TILES.values())
+# Shortest sequences served, per head dim (non-causal / causal).  D=128's floors come from the one
+# cross-run comparison we had (results/bench_standard_d128_h200.json vs results/bench_standard_h200.json):
+# every cell from there up gained (non-causal S=2048 457 -> 635 TF/s, causal S=4096 421 -> 557) while
+# shorter ones were mixed (non-causal S=1024 405 -> 238, causal S=512 245 -> 110, S=2048 374 -> 325).  One
+# 128-row program per SM pays its pipeline fill per program, which weighs most on short ones.  D=64 / 256
+# start at the same floors until measured.  bench/hopper_fwd_ab.py --suggest reads them off a same-run A/B.
 # Sq is held to the same floor because short-Sq / long-Sk shapes (few programs) were never measured.
-MIN_KEYS = 2048
-MIN_KEYS_CAUSAL = 4096
+MIN_KEYS = {64: 2048, 128: 2048, 256: 2048}
+MIN_KEYS_CAUSAL = {64: 4096, 128: 4096, 256: 4096}
 TESTED_TRITON = "3.6"   # the Gluon API this kernel is written against (Gluon is experimental upstream)
 MAX_GRID_Y = 65535      # CUDA's limit on the grid's second dimension (here batch * heads)
 
@@ -68,16 +92,24 @@ def enabled() -> bool:
             and os.environ.get("FLASHPORT_HOPPER_FWD", "1") != "0")
 
 
+def min_keys(head_dim: int, causal: bool) -> int | None:
+    """The length floor (Sq and Sk) from which the kernel serves this head dim; None: at no length (the
+    Triton kernel measured faster throughout)."""
+    return (MIN_KEYS_CAUSAL if causal else MIN_KEYS)[head_dim]
+
+
 @functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
-def reasons(spec, q, k, v) -> list[str]:
+def reasons(spec, q, k, v, length_floor: bool = True) -> list[str]:
     """Why this kernel cannot serve the call (empty: it can).  Runs on every forward, so the cheapest
-    checks come first and the first failing one is the answer."""
-    if spec.head_dim != HEAD_DIM or spec.head_dim_v != HEAD_DIM:
-        return [f"head dim {HEAD_DIM} only"]
+    checks come first and the first failing one is the answer.  length_floor=False leaves out the
+    speed choice (MIN_KEYS / MIN_KEYS_CAUSAL) and keeps what the kernel needs (bench/hopper_fwd_ab.py)."""
+    d = spec.head_dim
+    if d not in TILES or spec.head_dim_v != d:
+        return [f"head dim {' / '.join(map(str, TILES))} only (q/k and v alike)"]
     if spec.kind != "dense" or spec.device.type != "cuda":
         return ["dense CUDA tensors only"]
     if spec.dtype not in (torch.bfloat16, torch.float16):
@@ -88,16 +120,19 @@ def reasons(spec, q, k, v) -> list[str]:
         return ["no sliding window"]
     if spec.causal and spec.seqlen_q != spec.seqlen_k:
         return ["causal needs Sq == Sk"]
-    floor = MIN_KEYS_CAUSAL if spec.causal else MIN_KEYS
-    if spec.seqlen_q % TILE or spec.seqlen_k % BLOCK_N or min(spec.seqlen_q, spec.seqlen_k) < floor:
-        return [f"sequence lengths must be multiples of {TILE} and at least {floor} (shorter: the Triton "
-                f"kernel measured as fast or faster)"]
+    floor = min_keys(d, spec.causal) if length_floor else 0
+    if floor is None:
+        return [f"not at D={d}{' causal' if spec.causal else ''}: the Triton kernel measured as fast or faster "
+                f"at every length"]
+    if spec.seqlen_q % TILE or spec.seqlen_k % TILE or min(spec.seqlen_q, spec.seqlen_k) < max(floor, TILE):
+        return [f"sequence lengths must be multiples of {TILE} and at least {max(floor, TILE)} at D={d} (shorter: "
+                f"the Triton kernel measured as fast or faster)"]
     if spec.batch == 0 or spec.batch * spec.heads_q > MAX_GRID_Y:
         return [f"batch * heads must be in [1, {MAX_GRID_Y}]"]
     if not enabled():
         return [f"Gluon (Triton {TESTED_TRITON}.x) unavailable or FLASHPORT_HOPPER_FWD=0"]
-    if (spec.dtype, spec.causal, spec.device) in broken:
-        return ["failed to compile here: " + broken[(spec.dtype, spec.causal, spec.device)]]
+    if (spec.dtype, d, spec.causal, spec.device) in broken:
+        return ["failed to compile here: " + broken[(spec.dtype, d, spec.causal, spec.device)]]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return ["needs an sm_90 (Hopper) GPU"]
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
@@ -106,40 +141,49 @@ def reasons(spec, q, k, v) -> list[str]:
 
 
 if gluon is not None:
-    # The tile constants as compile-time values (a jit function reads only constexpr globals).
-    _HEAD_DIM, _BLOCK_M, _BLOCK_N = gl.constexpr(HEAD_DIM), gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
-    _STAGES, _CONSUMER_REGS, _TILE = gl.constexpr(STAGES), gl.constexpr(CONSUMER_REGS), gl.constexpr(TILE)
+    _BLOCK_M = gl.constexpr(BLOCK_M)   # a jit function reads only constexpr globals
+
+    # The per-head-dim sizes travel in the shapes: TILE x HEAD_DIM of the Q tile, STAGES x BLOCK_N x
+    # HEAD_DIM of the K/V ring, so every partition reads them off its shared-memory descriptors.
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                  seqlen_q, seqlen_k, heads_q, group, CAUSAL: gl.constexpr):
-        """TMA issue: the Q tile once, then K_j / V_j into stage j % _STAGES once both consumers freed it."""
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                  seqlen_q, seqlen_k, heads_q, group, CAUSAL: gl.constexpr, EARLY_K: gl.constexpr):
+        """TMA issue: the Q tile once, then K_j / V_j into stage j % STAGES, each once both consumers freed
+        that stage's K (resp. V) tile (EARLY_K; otherwise k_empty is v_empty and one wait covers both)."""
+        TILE: gl.constexpr = q_smem.shape[0]
+        STAGES: gl.constexpr = k_smem.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.shape[1]
+        HEAD_DIM: gl.constexpr = k_smem.shape[2]
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)    # heaviest causal tiles first
         pid_bh = gl.program_id(1)
         b = pid_bh // heads_q
         h = pid_bh % heads_q
         mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + pid_m * _TILE, h * _HEAD_DIM], q_ready, q_smem)
+        tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + pid_m * TILE, h * HEAD_DIM], q_ready, q_smem)
         kv_row = b * seqlen_k
-        kv_col = (h // group) * _HEAD_DIM
-        n_tiles = seqlen_k // _BLOCK_N
+        kv_col = (h // group) * HEAD_DIM
+        n_tiles = seqlen_k // BLOCK_N
         if CAUSAL:
-            n_tiles = pid_m + 1
+            n_tiles = (pid_m + 1) * (TILE // BLOCK_N)      # every key up to the Q tile's last row
         for j in range(n_tiles):
-            s = j % _STAGES
+            s = j % STAGES
             # First lap: a fresh barrier's parity 1 counts as completed, so the ring starts empty.
-            mbarrier.wait(kv_empty.index(s), ((j // _STAGES) & 1) ^ 1)
+            mbarrier.wait(k_empty.index(s), ((j // STAGES) & 1) ^ 1)
             mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + j * _BLOCK_N, kv_col], k_ready.index(s), k_smem.index(s))
+            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(s), k_smem.index(s))
+            if EARLY_K:
+                mbarrier.wait(v_empty.index(s), ((j // STAGES) & 1) ^ 1)
             mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_row + j * _BLOCK_N, kv_col], v_ready.index(s), v_smem.index(s))
+            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(s), v_smem.index(s))
 
     @gluon.jit
     def _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED: gl.constexpr):
         """Online-softmax update of tile j in the log2 domain -> (p fp32, alpha, m_new, l_new).  MASKED:
-        the causal diagonal tile (key j * _BLOCK_N + c visible to row r iff it is <= r)."""
+        the causal diagonal tile (key j * BLOCK_N + c visible to row r iff it is <= r)."""
         if MASKED:
-            cols = j * _BLOCK_N + gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_ij.type.layout))
+            BLOCK_N: gl.constexpr = s_ij.shape[1]
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_ij.type.layout))
             s_ij = gl.where(cols[None, :] <= rows[:, None], s_ij, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s_ij, axis=1) * qk_scale)
         p = gl.exp2(s_ij * qk_scale - m_new[:, None])
@@ -148,79 +192,107 @@ if gluon is not None:
         return p, alpha, m_new, l_new
 
     @gluon.jit
-    def _overlap_step(j, p_prev, acc, alpha, m_i, l_i, q_wg, k_smem, v_smem, k_ready, v_ready, kv_empty, s_zero,
-                      qk_scale, rows, MASKED: gl.constexpr):
+    def _overlap_step(j, p_prev, acc, alpha, m_i, l_i, q_wg, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
+                      s_zero, qk_scale, rows, MASKED: gl.constexpr, EARLY_K: gl.constexpr):
         """Key tile j: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together; the softmax of S_j runs
         while the P V matmul is still on the tensor cores.  Returns (acc, P_j as an operand, alpha_j, m, l)."""
+        STAGES: gl.constexpr = k_smem.shape[0]
         o_layout: gl.constexpr = acc.type.layout
-        s = j % _STAGES
-        sp = (j - 1) % _STAGES
-        mbarrier.wait(k_ready.index(s), (j // _STAGES) & 1)
+        s = j % STAGES
+        sp = (j - 1) % STAGES
+        mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
         s_tok = warpgroup_mma(q_wg, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]   # while S_j runs
-        mbarrier.wait(v_ready.index(sp), ((j - 1) // _STAGES) & 1)
+        mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
         s_ij = warpgroup_mma_wait(1, deps=[s_tok])          # retire S_j only: the P V keeps running
+        if EARLY_K:
+            mbarrier.arrive(k_empty.index(s), count=1)      # K_j is read: its stage may refill
         p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         # P_j is packed after the wait: it overwrites the registers P_{j-1} V_{j-1} reads.
         p_op = gl.convert_layout(p.to(p_prev.dtype), p_prev.type.layout)
-        mbarrier.arrive(kv_empty.index(sp), count=1)
+        mbarrier.arrive(v_empty.index(sp), count=1)
         return acc, p_op, alpha, m_i, l_i
 
     @gluon.jit
-    def _consumer(q_wg, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, o_desc, lse_ptr, lse2_ptr,
-                  seqlen_q, seqlen_k, heads_q, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr):
-        """Warpgroup WG: rows [WG * _BLOCK_M, (WG + 1) * _BLOCK_M) of the program's Q tile; acc fp32."""
+    def _consumer(q_wg, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, lse_ptr, lse2_ptr,
+                  seqlen_q, seqlen_k, heads_q, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
+                  EARLY_K: gl.constexpr):
+        """Warpgroup WG: rows [WG * BLOCK_M, (WG + 1) * BLOCK_M) of the program's Q tile; acc fp32."""
         dtype: gl.constexpr = o_desc.dtype
+        TILE: gl.constexpr = 2 * _BLOCK_M
+        STAGES: gl.constexpr = k_smem.shape[0]
+        BLOCK_N: gl.constexpr = k_smem.shape[1]
+        HEAD_DIM: gl.constexpr = k_smem.shape[2]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _BLOCK_N, 16])
+                                                           instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _HEAD_DIM, 16])
+                                                           instr_shape=[16, HEAD_DIM, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         pid_bh = gl.program_id(1)
-        row0 = pid_m * _TILE + WG * _BLOCK_M
+        row0 = pid_m * TILE + WG * _BLOCK_M
         rows = row0 + gl.arange(0, _BLOCK_M, layout=row_s)
-        n_tiles = seqlen_k // _BLOCK_N
+        n_tiles = seqlen_k // BLOCK_N
         n_loop = n_tiles           # tiles 1 .. n_loop - 1 run unmasked in the loop below
+        # Causal: this warpgroup's rows [row0, row0 + 64) see keys [0, row0 + 64): every key tile before the
+        # Q tile's own TILE keys, then the first DIAG_TILES key tiles of those.  BLOCK_N is a multiple of 64
+        # and divides TILE, so the diagonal falls in exactly one key tile, the last: n_tiles - 1.  The other
+        # SKIPPED tiles of the program lie wholly above these rows (BLOCK_N < TILE: the first warpgroup's
+        # last tile).  Both counts are compile-time constants.
+        DIAG_TILES: gl.constexpr = ((WG + 1) * _BLOCK_M + BLOCK_N - 1) // BLOCK_N
+        SKIPPED: gl.constexpr = TILE // BLOCK_N - DIAG_TILES
         if CAUSAL:
-            n_tiles = pid_m + 1
-            n_loop = n_tiles - 1   # the causal diagonal (the last tile) is peeled off to carry the mask
+            n_tiles = pid_m * (TILE // BLOCK_N) + DIAG_TILES
+            n_loop = n_tiles - 1   # the diagonal is peeled off to carry the mask
         m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, row_s)
         l_i = gl.full([_BLOCK_M], 0.0, gl.float32, row_s)
-        acc = gl.zeros([_BLOCK_M, _HEAD_DIM], gl.float32, o_layout)
-        s_zero = gl.zeros([_BLOCK_M, _BLOCK_N], gl.float32, s_layout)
+        acc = gl.zeros([_BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        s_zero = gl.zeros([_BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(q_ready, 0)
 
         # Tile 0: S_0 and its softmax (no P V in flight yet); it is the diagonal when n_tiles == 1.
         mbarrier.wait(k_ready.index(0), 0)
         s_tok = warpgroup_mma(q_wg, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         s_ij = warpgroup_mma_wait(0, deps=[s_tok])
+        if EARLY_K:
+            mbarrier.arrive(k_empty.index(0), count=1)
         if CAUSAL:
             if n_tiles == 1:
-                cols = gl.arange(0, _BLOCK_N, layout=gl.SliceLayout(0, s_layout))
+                cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 s_ij = gl.where(cols[None, :] <= rows[:, None], s_ij, float("-inf"))
         p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, 0, False)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, n_loop):
             acc, p_op, alpha, m_i, l_i = _overlap_step(j, p_op, acc, alpha, m_i, l_i, q_wg, k_smem, v_smem,
-                                                       k_ready, v_ready, kv_empty, s_zero, qk_scale, rows, False)
+                                                       k_ready, v_ready, k_empty, v_empty, s_zero, qk_scale, rows,
+                                                       False, EARLY_K)
         if CAUSAL:
             if n_tiles > 1:
                 acc, p_op, alpha, m_i, l_i = _overlap_step(n_tiles - 1, p_op, acc, alpha, m_i, l_i, q_wg, k_smem,
-                                                           v_smem, k_ready, v_ready, kv_empty, s_zero, qk_scale,
-                                                           rows, True)
+                                                           v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
+                                                           qk_scale, rows, True, EARLY_K)
         # The last P V.
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
-        sl = (n_tiles - 1) % _STAGES
-        mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // _STAGES) & 1)
+        sl = (n_tiles - 1) % STAGES
+        mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(sl), acc, is_async=True)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
-        mbarrier.arrive(kv_empty.index(sl), count=1)
+        mbarrier.arrive(v_empty.index(sl), count=1)
+        if CAUSAL:
+            # The SKIPPED key tiles are loaded for the other warpgroup; release them without computing.
+            # Waiting for the loads first makes the arrives count for this lap of the stage, not the last.
+            for i in gl.static_range(SKIPPED):
+                j = n_tiles + i
+                if EARLY_K:
+                    mbarrier.wait(k_ready.index(j % STAGES), (j // STAGES) & 1)
+                    mbarrier.arrive(k_empty.index(j % STAGES), count=1)
+                mbarrier.wait(v_ready.index(j % STAGES), (j // STAGES) & 1)
+                mbarrier.arrive(v_empty.index(j % STAGES), count=1)
 
         # Epilogue: O = acc / l_i through this warpgroup's (now unused) slice of the Q tile, TMA store.
         b = pid_bh // heads_q
@@ -228,7 +300,7 @@ if gluon is not None:
         acc = acc * (1.0 / gl.convert_layout(l_i, row_o))[:, None]
         q_wg.store(acc.to(dtype))
         fence_async_shared()
-        tma.async_copy_shared_to_global(o_desc, [b * seqlen_q + row0, h * _HEAD_DIM], q_wg)
+        tma.async_copy_shared_to_global(o_desc, [b * seqlen_q + row0, h * HEAD_DIM], q_wg)
         lse2 = m_i + gl.log2(l_i)
         offs = pid_bh.to(gl.int64) * seqlen_q + rows
         gl.store(lse_ptr + offs, lse2 * 0.6931471805599453)
@@ -237,29 +309,41 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, group,
-                         qk_scale, CAUSAL: gl.constexpr):
+                         qk_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         EARLY_K: gl.constexpr):
+        """q_desc: [TILE, HEAD_DIM] blocks; k_desc / v_desc: [BLOCK_N, HEAD_DIM]; o_desc: [BLOCK_M, HEAD_DIM]."""
         dtype: gl.constexpr = q_desc.dtype
-        q_smem = gl.allocate_shared_memory(dtype, [_TILE, _HEAD_DIM], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK_N, _HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK_N, _HEAD_DIM], v_desc.layout)
+        TILE: gl.constexpr = q_desc.block_type.shape[0]
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
+        q_smem = gl.allocate_shared_memory(dtype, [TILE, HEAD_DIM], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-        v_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-        kv_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+        k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        if EARLY_K:
+            k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        else:
+            k_empty = v_empty   # one release (after P V) frees the stage's K and V tiles together
         mbarrier.init(q_ready, count=1)
-        for i in gl.static_range(_STAGES):
+        for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
             mbarrier.init(v_ready.index(i), count=1)
-            mbarrier.init(kv_empty.index(i), count=2)  # one arrive per consumer warpgroup
+            mbarrier.init(v_empty.index(i), count=2)   # one arrive per consumer warpgroup
+            if EARLY_K:
+                mbarrier.init(k_empty.index(i), count=2)
         # Argument tuples are written inline: bound to a local first, their constexprs turn into tensors.
         gl.warp_specialize([
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         seqlen_q, seqlen_k, heads_q, group, CAUSAL)),
-            (_consumer, (q_smem.slice(0, _BLOCK_M), k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty, o_desc,
-                         lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, 0, CAUSAL)),
-            (_consumer, (q_smem.slice(_BLOCK_M, _BLOCK_M), k_smem, v_smem, q_ready, k_ready, v_ready, kv_empty,
-                         o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, 1, CAUSAL)),
-        ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                         v_empty, seqlen_q, seqlen_k, heads_q, group, CAUSAL, EARLY_K)),
+            (_consumer, (q_smem.slice(0, _BLOCK_M), k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                         o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, 0, CAUSAL, EARLY_K)),
+            (_consumer, (q_smem.slice(_BLOCK_M, _BLOCK_M), k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                         v_empty, o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, 1, CAUSAL,
+                         EARLY_K)),
+        ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
 def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
@@ -271,29 +355,34 @@ def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
     return TensorDescriptor.from_tensor(t.view(b * s, h * d), [rows, d], layout)
 
 
-# Compiled variants (dtype, causal, device) and the ones whose compilation failed, with the reason: a
-# failure switches this path off for that variant (one warning), and the Triton kernel serves instead.
+# Compiled variants (dtype, head dim, causal, device) and the ones whose compilation failed, with the
+# reason: a failure switches this path off for that variant (one warning), and the Triton kernel serves.
 _compiled: set = set()
 broken: dict = {}
 
 
 def forward(spec, q, k, v, warmup: bool = False):
-    """q [B, Sq, Hq, 128], k / v [B, Sk, Hkv, 128] (a call `reasons` accepts) -> (out, lse, lse2), or None
-    when the kernel fails to compile here (the caller then runs the Triton kernel).  warmup=True
-    compiles without launching and returns the compiled kernel (bench/compile_report.py)."""
+    """q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D], D in TILES (a call `reasons` accepts; the length floor
+    aside, which is a speed choice) -> (out, lse, lse2), or None when the kernel fails to compile here
+    (the caller then runs the Triton kernel).  warmup=True compiles without launching and returns the
+    compiled kernel (bench/compile_report.py)."""
     b, sq, hq, d = q.shape
+    tiles = TILES[d]
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(lse)
     grid = (sq // TILE, b * hq)
-    args = (_descriptor(q, TILE), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(out, BLOCK_M),
-            lse, lse2, sq, spec.seqlen_k, hq, spec.group_size, spec.softmax_scale * LOG2E)
+    args = (_descriptor(q, TILE), _descriptor(k, tiles.block_n), _descriptor(v, tiles.block_n),
+            _descriptor(out, BLOCK_M), lse, lse2, sq, spec.seqlen_k, hq, spec.group_size,
+            spec.softmax_scale * LOG2E)
+    meta = dict(CAUSAL=spec.causal, STAGES=tiles.stages, CONSUMER_REGS=tiles.consumer_regs,
+                EARLY_K=tiles.early_k, num_warps=4)
     if warmup:
-        return _attn_fwd_hopper.warmup(*args, grid=grid, CAUSAL=spec.causal, num_warps=4)
-    variant = (q.dtype, spec.causal, q.device)
+        return _attn_fwd_hopper.warmup(*args, grid=grid, **meta)
+    variant = (q.dtype, d, spec.causal, q.device)
     if variant not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
-            _attn_fwd_hopper.warmup(*args, grid=grid, CAUSAL=spec.causal, num_warps=4)
+            _attn_fwd_hopper.warmup(*args, grid=grid, **meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernel"
             broken[variant] = f"{type(e).__name__}: {e}"[:300]
             warnings.warn(f"flashport: the Hopper forward failed to compile for {variant} and is switched off "
@@ -301,6 +390,5 @@ def forward(spec, q, k, v, warmup: bool = False):
                           stacklevel=3)
             return None
         _compiled.add(variant)
-    _attn_fwd_hopper[grid](*args, CAUSAL=spec.causal, num_warps=4)
+    _attn_fwd_hopper[grid](*args, **meta)
     return out, lse, lse2
-

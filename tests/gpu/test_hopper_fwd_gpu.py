@@ -24,14 +24,16 @@ def served(monkeypatch):
     kernels before the interpreter tier sets TRITON_INTERPRET would compile them for every tier.)"""
     from flashport.kernels import attn_fwd_hopper
     # Short shapes keep the float64 reference cheap; the length floor is a speed choice (tested below).
-    monkeypatch.setattr(attn_fwd_hopper, "MIN_KEYS", 0)
-    monkeypatch.setattr(attn_fwd_hopper, "MIN_KEYS_CAUSAL", 0)
+    monkeypatch.setattr(attn_fwd_hopper, "MIN_KEYS", dict.fromkeys(attn_fwd_hopper.TILES, 0))
+    monkeypatch.setattr(attn_fwd_hopper, "MIN_KEYS_CAUSAL", dict.fromkeys(attn_fwd_hopper.TILES, 0))
     calls = []
     real = attn_fwd_hopper.forward
 
     def spy(*a, **kw):
-        calls.append(a[0])
-        return real(*a, **kw)
+        result = real(*a, **kw)
+        if result is not None:          # None: it failed to compile and the Triton kernel ran instead
+            calls.append(a[0])
+        return result
     monkeypatch.setattr(attn_fwd_hopper, "forward", spy)
     if not attn_fwd_hopper.enabled():
         pytest.skip("Gluon unavailable")
@@ -45,6 +47,16 @@ SERVED = [
     Case(b=2, sq=256, sk=512, hq=4, hkv=2, d=128),                   # Sq != Sk with B > 1: b*Sq vs b*Sk rows
     Case(b=1, sq=1024, sk=1024, hq=4, hkv=1, d=128, causal=True),    # MQA, 8 causal tiles per head
     Case(b=1, sq=128, sk=128, hq=2, hkv=2, d=128, causal=True, scale=0.3),
+    # D=64: BLOCK_N = 128, a 4-stage ring (8 key tiles wrap it twice)
+    Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=64),
+    Case(b=2, sq=1024, sk=1024, hq=4, hkv=2, d=64, causal=True),    # GQA
+    Case(b=2, sq=384, sk=640, hq=6, hkv=2, d=64),                   # Sq != Sk, GQA
+    # D=256: BLOCK_N = 64, so each 128-row Q tile's diagonal spans two key tiles (masked in each warpgroup's
+    # last tile; the first warpgroup skips the program's last one) and a 2-stage ring wraps often
+    Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=256),
+    Case(b=2, sq=384, sk=384, hq=4, hkv=2, d=256, causal=True),     # GQA, 3 Q tiles: 2, 4 and 6 key tiles
+    Case(b=1, sq=128, sk=128, hq=2, hkv=2, d=256, causal=True),     # one program: the diagonal only
+    Case(b=2, sq=256, sk=640, hq=8, hkv=2, d=256),                  # Sq != Sk, GQA
 ]
 
 
@@ -59,7 +71,9 @@ DECLINED = [
     Case(b=1, sq=200, sk=256, hq=2, hkv=2, d=128),                   # not a multiple of 128
     Case(b=1, sq=256, sk=384, hq=2, hkv=2, d=128, causal=True),      # causal with Sq != Sk
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, noncontig=True),   # strided: no TMA view
-    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=64),
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=96),                    # a head dim without tiles
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, dv=64),            # q/k and v head dims differ
+    Case(b=1, sq=256, sk=320, hq=2, hkv=2, d=256),                   # Sk not a multiple of 128
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, window=(64, 0)),
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, softcap=5.0),
 ]
@@ -71,34 +85,45 @@ def test_declined_calls_run_the_triton_kernel(case, served):
     assert not served
 
 
+@pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("causal", [False, True])
-def test_served_at_the_shipped_length_floor(causal, monkeypatch):
+def test_served_at_the_shipped_length_floor(causal, d, monkeypatch):
     """With the shipped gate (no lowered floor): the shortest served call conforms, forward and lse."""
     from flashport.kernels import attn_fwd_hopper
     if not attn_fwd_hopper.enabled():
         pytest.skip("Gluon unavailable")
+    s = attn_fwd_hopper.min_keys(d, causal)
+    if s is None:
+        pytest.skip(f"not served at D={d} causal={causal}")
     calls = []
     real = attn_fwd_hopper.forward
-    monkeypatch.setattr(attn_fwd_hopper, "forward", lambda *a, **kw: calls.append(1) or real(*a, **kw))
-    s = attn_fwd_hopper.MIN_KEYS_CAUSAL if causal else attn_fwd_hopper.MIN_KEYS
-    check_dense("triton", Case(b=1, sq=s, sk=s, hq=2, hkv=1, d=128, causal=causal, dtype=torch.bfloat16), DEV,
+
+    def spy(*a, **kw):
+        result = real(*a, **kw)
+        calls.append(result is not None)
+        return result
+    monkeypatch.setattr(attn_fwd_hopper, "forward", spy)
+    check_dense("triton", Case(b=1, sq=s, sk=s, hq=2, hkv=1, d=d, causal=causal, dtype=torch.bfloat16), DEV,
                 grads=False)
-    assert calls
+    assert calls and all(calls)
 
 
-def test_short_sequences_stay_on_the_triton_kernel():
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_short_sequences_stay_on_the_triton_kernel(d):
     from flashport.kernels import attn_fwd_hopper
     from flashport.spec import dense_spec
-    for causal, sk in ((False, attn_fwd_hopper.MIN_KEYS), (True, attn_fwd_hopper.MIN_KEYS_CAUSAL)):
-        for s in (sk - 128, sk):
-            q = torch.empty(1, s, 2, 128, device=DEV, dtype=torch.bfloat16)
+    for causal in (False, True):
+        sk = attn_fwd_hopper.min_keys(d, causal)
+        for s in ((sk - 128, sk) if sk is not None else (16384,)):
+            q = torch.empty(1, s, 2, d, device=DEV, dtype=torch.bfloat16)
             spec, _ = dense_spec(q, q, q, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                                  alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
-            assert bool(attn_fwd_hopper.reasons(spec, q, q, q)) == (s < sk), (causal, s)
+            assert bool(attn_fwd_hopper.reasons(spec, q, q, q)) == (sk is None or s < sk), (causal, s)
 
 
-def test_switch_off_and_agreement_with_the_triton_kernel(served, monkeypatch):
-    case = Case(b=2, sq=512, sk=512, hq=8, hkv=2, d=128, causal=True, dtype=torch.bfloat16)
+@pytest.mark.parametrize("d", [64, 128, 256])
+def test_switch_off_and_agreement_with_the_triton_kernel(d, served, monkeypatch):
+    case = Case(b=2, sq=512, sk=512, hq=8, hkv=2, d=d, causal=True, dtype=torch.bfloat16)
     q, k, v, _, slopes = make_inputs(case, DEV)
     kw = dict(kwargs_of(case, slopes), backend="triton", return_lse=True)
     out, lse = flashport.attention(q, k, v, **kw)
