@@ -146,7 +146,7 @@ def run_cell(shape, impls: dict, timer: str) -> dict:
                 else:
                     ms, rec["timer"] = gpu_ms(fn), "do_bench"
             rec["ms"] = ms
-            rec["tflops"] = cell["gflop"] / ms / 1e3 if ms > 0 else None
+            rec["tflops"] = cell["gflop"] / ms if ms > 0 else None   # GFLOP per ms = TFLOP/s
         except Exception as e:  # noqa: BLE001 - a failed variant is recorded, the run goes on
             rec["error"] = _err(e)
             with contextlib.suppress(Exception):

@@ -43,12 +43,12 @@ def on_hopper(monkeypatch):
     (dict(d=128, dv=64), "head dim"),                        # q/k and v must share D
     (dict(s=4000), "multiples of 128"),
     (dict(s=4096, sk=4160), "multiples of 128"),             # Sk too (BLOCK_N = 64 would not catch it)
-    (dict(s=1024), "at least 2048"),
-    (dict(d=64, s=1024), "at least 2048 at D=64"),
-    (dict(d=256, s=1024), "at least 2048 at D=256"),
-    (dict(s=2048, causal=True), "at least 4096"),
-    (dict(d=256, s=2048, causal=True), "at least 4096 at D=256"),
-    (dict(s=128, sk=8192), "at least 2048"),                 # short Sq, long Sk: never measured
+    (dict(s=256), "at least 512"),                          # the shipped floors (results/hopper_fwd_ab_h200.json)
+    (dict(d=64, s=8192), "at least 16384 at D=64"),
+    (dict(d=256, s=256), "at least 512 at D=256"),
+    (dict(s=256, causal=True), "at least 512"),
+    (dict(d=256, s=384, causal=True), "at least 512 at D=256"),
+    (dict(s=128, sk=8192), "at least 512"),                  # short Sq, long Sk: never measured
     (dict(s=4096, sk=8192, causal=True), "Sq == Sk"),
     (dict(b=0), "batch * heads"),
     (dict(b=8192, hq=16, hkv=16), "batch * heads"),          # grid y would pass 65535
@@ -84,8 +84,8 @@ def test_length_floor_table_is_per_head_dim(on_hopper, monkeypatch):
     monkeypatch.setitem(on_hopper.MIN_KEYS_CAUSAL, 256, None)
     spec, q, k, v = _spec(d=64, s=512)
     assert on_hopper.reasons(spec, q, k, v) == []
-    spec, q, k, v = _spec(d=128, s=512)
-    assert "at least 2048" in on_hopper.reasons(spec, q, k, v)[0]             # D=128 untouched
+    spec, q, k, v = _spec(d=128, s=384)
+    assert "at least 512" in on_hopper.reasons(spec, q, k, v)[0]              # D=128 untouched
     spec, q, k, v = _spec(d=256, s=16384, causal=True)
     assert "not at D=256 causal" in on_hopper.reasons(spec, q, k, v)[0]
     spec, q, k, v = _spec(d=256, s=16384)
@@ -135,7 +135,7 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, d, on_h
     with pytest.warns(RuntimeWarning, match="failed to compile"):
         assert attn_fwd_hopper.forward(spec, q, q, q) is None
     assert "ptxas: unsupported" in attn_fwd_hopper.broken[(torch.bfloat16, d, True, q.device)]
-    gpu_spec, gq, gk, gv = _spec(d=d, causal=True)
+    gpu_spec, gq, gk, gv = _spec(d=d, causal=True, s=16384)   # above every floor
     attn_fwd_hopper.broken[(gpu_spec.dtype, d, True, gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
     assert "failed to compile" in attn_fwd_hopper.reasons(gpu_spec, gq, gk, gv)[0]
     gpu_spec, gq, gk, gv = _spec(d=128, causal=True)
