@@ -7,9 +7,10 @@ Kernels:
      through, accumulating dK, dV in registers.  With GQA each program writes float32 partials for
      its query head, summed over the group afterwards in a fixed order (`backward`).
   3. `_bwd_dq`: one program per (Q tile, query head, batch entry) streaming K/V tiles.
-No addition depends on scheduling, so every backward is bitwise reproducible (deterministic=True costs
-nothing).  FlashAttention-2 instead adds dQ from the dK/dV kernel with float32 atomics (5 matmuls per
-tile pair instead of 7); that variant was built and measured here and lost: docs/PERFLOG.md row 5.
+No addition depends on scheduling, so every backward here is bitwise reproducible.  FlashAttention-2
+instead adds dQ from the dK/dV kernel with float32 atomics (5 matmuls per tile pair instead of 7); that
+variant was built and measured here and lost: docs/PERFLOG.md row 5.  (On sm_90 with deterministic=False,
+`backward` hands D=128 calls to kernels/attn_bwd_hopper.py: FA3's schedule, dQ summed with atomics.)
 All recompute P = exp2(s2 - lse2) from the saved LSE.  Equivalent PyTorch math:
     dV = (P * Z)^T dO,   dP = (dO V^T) * Z,   dS = P * (dP - Delta) * dsoftcap,
     dQ = scale * dS K,   dK = scale * dS^T Q     (the kernels fold scale into dS)
@@ -22,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from . import attn_bwd_hopper
 from .common import (KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
                      offset, query_tiles, seq_bounds, split_dim, tile_part, transform_log2)
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
@@ -347,6 +349,11 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
         BLOCK_DV=a.constexprs["BLOCK_DV"], IS_VARLEN=varlen, ALIGN=a.constexprs["ALIGN"], num_warps=4)
     if dlse is not None:
         delta.sub_(dlse)
+    if configs is None and not varlen and not attn_bwd_hopper.reasons(spec, q, k, v, do):
+        # sm_90, deterministic=False: FlashAttention-3's 5-matmul schedule in Gluon (dQ summed with atomics,
+        # kernels/attn_bwd_hopper.py).  None: it failed to compile here and has switched itself off.
+        if attn_bwd_hopper.backward(spec, do, q, k, v, out, lse2, delta, dq=dq, dk=dk, dv=dv) is not None:
+            return dq, dk, dv
     common = (a.slope_stride, a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,
               a.drop_threshold, a.drop_scale, spec.softmax_scale)
     configs = configs or {}

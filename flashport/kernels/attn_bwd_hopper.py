@@ -1,0 +1,377 @@
+"""Hopper (sm_90) attention backward in Gluon, scheduled like FlashAttention-3 (5 matmuls per tile pair).
+
+kernels/attn_bwd.py runs a dK/dV kernel and a separate dQ kernel: S and dP are computed twice, 7 matmuls
+per (Q tile, K/V tile) pair.  Here, as in FA3, one kernel per K/V tile also produces dQ: its share of
+dQ_j = dS_j K is added to a float32 buffer with atomics, so each pair costs 5 matmuls.  Atomics make the
+summation order (and so the last bits of dQ) depend on scheduling: this path only serves calls with
+deterministic=False; deterministic=True keeps the Triton kernels (bitwise reproducible).
+
+One program per (128-row K/V tile n, query head h, batch entry b); grid (Sk / 128, B * Hq); three roles:
+* a producer (4 warps) TMA-loads the K and V tiles once, then Q_j and dO_j (BLOCK_M = 64 rows each) into a
+  STAGES-deep shared-memory ring (q_ready / do_ready filled by the copy engine, qdo_empty released by
+  both consumers once every matmul reading the stage has retired);
+* two consumer warpgroups (240 registers each); warpgroup WG owns K/V rows [64 WG, 64 WG + 64) of the tile
+  and their float32 accumulators dK_wg, dV_wg [64, 128].  Per Q tile j (transposed scores, as attn_bwd.py):
+      S^T  = K_wg Q_j^T,  dP^T = V_wg dO_j^T                     [64 kv, 64 q], both in flight together
+      P^T  = exp2(S^T * qk_scale - lse2_j)                       (the causal mask on the 2 diagonal tiles)
+      dV  += P^T dO_j                                            (P^T in registers; issued before dP is waited for)
+      dS^T = P^T * (dP^T - Delta_j) * softmax_scale              (P^T as rounded for dV; the scale folded in)
+      dS^T -> shared buffer ds[i % 2] (the two warpgroups' halves make the tile's [128 kv, 64 q] dS^T)
+      dK  += dS^T Q_j                                            (dS^T read back from shared memory)
+      after an mbarrier (ds_ready: both halves written) warpgroup WG computes dQ_j[:, 64 WG : 64 WG + 64] =
+      dS_j K[:, 64 WG : 64 WG + 64] and adds it to dq_accum [B, Sq, Hq, D] float32 (red.global.add).
+  ds is double-buffered: a warpgroup rewrites ds[i % 2] at step i + 2 only after waiting on ds_ready of
+  step i + 1, which the other warpgroup signals after its dQ matmul of step i (the last reader) retired.
+Causal (Sq == Sk): K/V tile n meets Q tiles 2n, 2n + 1 (masked) and the unmasked ones after; lower n
+has more work, so programs start with n = 0.  GQA: dK / dV are written as float32 partials per query
+head and summed per group afterwards (as attn_bwd.py); dQ accumulates per query head.  Hq is a
+compile-time constant: with constant row strides the per-thread offsets of the dQ atomics and the dK / dV
+stores fold into instruction immediates (as run-time strides they were registers that ptxas spilled).
+
+Equivalent PyTorch math (per batch entry and query head, s = softmax_scale, K/V of head h // G):
+    P = exp(s * Q K^T - lse);  dV = P^T dO;  dP = dO V^T;  Delta = rowsum(dO * O) (- dlse)
+    dS = P * (dP - Delta);     dQ = s * dS K;  dK = s * dS^T Q
+Inputs: q, do [B, Sq, Hq, 128]; k, v [B, Sk, Hkv, 128]; lse2 = lse / ln 2 and Delta [B, Hq, Sq] float32.
+"""
+from __future__ import annotations
+
+import functools
+import os
+import warnings
+
+import torch
+import triton
+
+try:  # Gluon ships with recent Triton; without it (or another version: TESTED_TRITON) this path declines
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
+                                                                  warpgroup_mma, warpgroup_mma_wait)
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    gluon = None
+
+LOG2E = 1.4426950408889634
+TESTED_TRITON = "3.6"   # the Gluon API this kernel is written against (Gluon is experimental upstream)
+MAX_GRID_Y = 65535      # CUDA's limit on the grid's second dimension (here batch * heads)
+HEAD_DIM = 128
+BLOCK_M = 64           # query rows per Q tile (the ring's unit)
+BLOCK_N = 128          # K/V rows per program: 64 per consumer warpgroup
+WG_N = BLOCK_N // 2
+CONSUMER_REGS = 240    # setmaxnreg for the consumer warpgroups (FA3's choice at D = 128)
+# (STAGES, ATOMIC_VEC, PEEL): ring depth of Q / dO; contiguous fp32 per thread per dQ atomic (2: straight
+# from the wgmma accumulator layout; 4: after a layout conversion through shared memory); causal: the two
+# diagonal Q tiles in a loop of their own (masking code only there) or masked behind a run-time branch in
+# the one loop body.  ptxas spills a few values in every variant (bench/gluon_bwd_probe.py --compile-only
+# reports them per loop).  DEFAULT is the fastest in the probe's H200 run (results/gluon_bwd_probe_h200.json):
+# s2_v4 led in 4 of 5 cells (e.g. causal S=16384 397 vs 379 TF/s for s2_v4_peel and 376 for s2_v2), and
+# s2_v4_peel by 1.5% in the fifth (non-causal S=16384, 412 vs 406).
+VARIANTS = {"s2_v2": (2, 2, False), "s2_v2_peel": (2, 2, True), "s3_v2": (3, 2, False), "s2_v4": (2, 4, False),
+            "s2_v4_peel": (2, 4, True)}
+DEFAULT = "s2_v4"
+
+
+def enabled() -> bool:
+    return (gluon is not None and triton.__version__.startswith(TESTED_TRITON)
+            and os.environ.get("FLASHPORT_HOPPER_BWD", "1") != "0")
+
+
+@functools.lru_cache(maxsize=None)
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
+
+
+def reasons(spec, q, k, v, do, out=None) -> list[str]:
+    """Why this kernel cannot serve the backward (empty: it can).  Runs on every backward, so the
+    cheapest checks come first and the first failing one is the answer."""
+    if spec.head_dim != HEAD_DIM or spec.head_dim_v != HEAD_DIM:
+        return [f"head dim {HEAD_DIM} only"]
+    if spec.kind != "dense" or spec.device.type != "cuda":
+        return ["dense CUDA tensors only"]
+    if spec.deterministic:
+        return ["deterministic=True: dQ is summed with atomics here (the Triton kernels are reproducible)"]
+    if spec.dtype not in (torch.bfloat16, torch.float16):
+        return ["bfloat16 / float16 only"]
+    if spec.softcap > 0 or spec.alibi is not None or spec.dropout_p > 0 or spec.softmax_scale <= 0:
+        return ["no softcap, ALiBi or dropout; positive softmax scale"]
+    if spec.window_left >= 0 or (spec.window_right >= 0 and not spec.causal):
+        return ["no sliding window"]
+    if spec.causal and spec.seqlen_q != spec.seqlen_k:
+        return ["causal needs Sq == Sk"]
+    if spec.seqlen_q % BLOCK_N or spec.seqlen_k % BLOCK_N or min(spec.seqlen_q, spec.seqlen_k) == 0:
+        return [f"sequence lengths must be non-zero multiples of {BLOCK_N}"]
+    if spec.batch == 0 or spec.batch * spec.heads_q > MAX_GRID_Y:
+        return [f"batch * heads must be in [1, {MAX_GRID_Y}]"]
+    if max(spec.seqlen_q, spec.seqlen_k) * HEAD_DIM >= 2 ** 31:
+        return ["sequence length * 128 must fit in int32 (per-head offsets are 32-bit)"]
+    if not enabled():
+        return [f"Gluon (Triton {TESTED_TRITON}.x) unavailable or FLASHPORT_HOPPER_BWD=0"]
+    if (spec.dtype, spec.causal, spec.device) in broken:
+        return ["failed to compile here: " + broken[(spec.dtype, spec.causal, spec.device)]]
+    if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
+        return ["needs an sm_90 (Hopper) GPU"]
+    tensors = (q, k, v, do) if out is None else (q, k, v, do, out)
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
+        return ["q, k, v, dout must be contiguous and 16-byte aligned (TMA)"]
+    return []
+
+
+if gluon is not None:
+    _HEAD_DIM, _BLOCK_M, _BLOCK_N = gl.constexpr(HEAD_DIM), gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
+    _WG_N, _CONSUMER_REGS = gl.constexpr(WG_N), gl.constexpr(CONSUMER_REGS)
+
+    @gluon.jit
+    def _q_tiles(seqlen_q, CAUSAL: gl.constexpr):
+        """(first Q tile, number of Q tiles) of this program's K/V tile."""
+        j0 = 0
+        if CAUSAL:
+            j0 = gl.program_id(0) * (_BLOCK_N // _BLOCK_M)   # Sq == Sk: the diagonal's first Q tile
+        return j0, seqlen_q // _BLOCK_M - j0
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, do_ready,
+                  qdo_empty, seqlen_q, seqlen_k, group, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr,
+                  STAGES: gl.constexpr):
+        """TMA issue: K and V once, then Q_j / dO_j into stage i % STAGES once both consumers freed it."""
+        pid_bh = gl.program_id(1)
+        b = pid_bh // HEADS_Q
+        h = pid_bh % HEADS_Q
+        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)   # one arrival: both copies on one barrier
+        kv_row = b * seqlen_k + gl.program_id(0) * _BLOCK_N
+        tma.async_copy_global_to_shared(k_desc, [kv_row, (h // group) * _HEAD_DIM], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_row, (h // group) * _HEAD_DIM], kv_ready, v_smem)
+        j0, n_iter = _q_tiles(seqlen_q, CAUSAL)
+        q_row = b * seqlen_q + j0 * _BLOCK_M
+        for i in range(n_iter):
+            s = i % STAGES
+            # First lap: a fresh barrier's parity 1 counts as completed, so the ring starts empty.
+            mbarrier.wait(qdo_empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row + i * _BLOCK_M, h * _HEAD_DIM], q_ready.index(s),
+                                            q_smem.index(s))
+            mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(do_desc, [q_row + i * _BLOCK_M, h * _HEAD_DIM], do_ready.index(s),
+                                            do_smem.index(s))
+
+    @gluon.jit
+    def _step(i, j, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
+              lse_row, delta_row, dq_row, kv_rows, qk_scale, sm_scale, WG: gl.constexpr, HEADS_Q: gl.constexpr,
+              STAGES: gl.constexpr, ATOMIC_VEC: gl.constexpr, MASK: gl.constexpr):
+        """Q tile j (the i-th of this program): dK, dV updated, dQ_j's share added to dq_accum."""
+        dtype: gl.constexpr = q_smem.dtype
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _BLOCK_M, 16])
+        p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
+        col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
+        s = i % STAGES
+        q_s = q_smem.index(s)
+        do_s = do_smem.index(s)
+        cols = j * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=col_s)    # query rows = columns of S^T
+        # lse2_j / Delta_j are loaded compactly (one float per thread) and spread to the column layout of
+        # S^T (16 floats per thread) only where used: they would otherwise hold 32 registers across the
+        # matmuls, where this warpgroup peaks at 240.
+        vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
+        q_rows = j * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
+        lse2_c = gl.load(lse_row + q_rows)
+        delta_c = gl.load(delta_row + q_rows)
+        zero = gl.zeros([_WG_N, _BLOCK_M], gl.float32, s_layout)
+
+        mbarrier.wait(q_ready.index(s), (i // STAGES) & 1)
+        s_tok = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+        mbarrier.wait(do_ready.index(s), (i // STAGES) & 1)
+        dp_tok = warpgroup_mma(v_wg, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+        lse2 = gl.convert_layout(lse2_c, col_s)
+        s_t = warpgroup_mma_wait(1, deps=[s_tok])                 # dP^T keeps running
+        # Causal diagonal: key kv visible to query row q iff kv <= q.  MASK 1: always (the diagonal loop);
+        # 2: at run time on the program's first two Q tiles (one loop body: fewer registers for ptxas).
+        if MASK == 1:
+            s_t = gl.where(cols[None, :] >= kv_rows[:, None], s_t, float("-inf"))
+        elif MASK == 2:
+            if i < 2:
+                s_t = gl.where(cols[None, :] >= kv_rows[:, None], s_t, float("-inf"))
+        p_t = gl.exp2(s_t * qk_scale - lse2[None, :]).to(dtype)
+        dv_tok = warpgroup_mma(gl.convert_layout(p_t, p_layout), do_s, dv, is_async=True)
+        delta = gl.convert_layout(delta_c * sm_scale, col_s)
+        dp_t = warpgroup_mma_wait(1, deps=[dp_tok])               # dV keeps running
+        # dS from the rounded P that dV used (as torch's low-precision math): P fp32 would hold 16 more
+        # registers per thread across the dP wait, where this warpgroup peaks at 240.
+        ds_t = (p_t.to(gl.float32) * (dp_t * sm_scale - delta[None, :])).to(dtype)
+
+        # dS^T goes through shared memory: dK reads this warpgroup's half (no registers held while it runs),
+        # dQ_j = dS_j K both halves, so the warpgroups meet at ds_ready[i % 2] first.
+        slot = i % 2
+        ds_buf = ds_smem.index(slot)
+        ds_wg = ds_buf.slice(WG * _WG_N, _WG_N)
+        ds_wg.store(ds_t)
+        fence_async_shared()                                      # generic-proxy stores -> wgmma reads
+        mbarrier.arrive(ds_ready.index(slot), count=1)            # (after a barrier of this warpgroup)
+        dk_tok = warpgroup_mma(ds_wg, q_s, dk, is_async=True)
+        dv = warpgroup_mma_wait(1, deps=[dv_tok])                 # frees P^T's registers; dK keeps running
+        mbarrier.wait(ds_ready.index(slot), (i // 2) & 1)
+        dq_zero = gl.zeros([_BLOCK_M, _HEAD_DIM // 2], gl.float32, s_layout)
+        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
+        dk, dq = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok])
+        mbarrier.arrive(qdo_empty.index(s), count=1)              # Q_j, dO_j no longer read by this warpgroup
+
+        # dq_accum[row, 64 WG + c] += dq[row, c]  (relaxed: only the final sums matter)
+        if ATOMIC_VEC == 4:
+            a_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
+            dq = gl.convert_layout(dq, a_layout)
+        else:
+            a_layout: gl.constexpr = s_layout
+        # dq_accum is [B, Sq, Hq, D] with Hq a compile-time constant: the per-thread offsets below are
+        # immediates of the REDG instructions (as a run-time stride they were registers ptxas spilled).
+        row_stride: gl.constexpr = HEADS_Q * _HEAD_DIM
+        dq_tile = dq_row + j.to(gl.int64) * (_BLOCK_M * row_stride)
+        rows = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, a_layout))
+        dcols = WG * (_HEAD_DIM // 2) + gl.arange(0, _HEAD_DIM // 2, layout=gl.SliceLayout(0, a_layout))
+        gl.atomic_add(dq_tile + (rows[:, None] * row_stride + dcols[None, :]), dq, sem="relaxed")
+        return dk, dv
+
+    @gluon.jit
+    def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
+                  lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                  WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                  ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr):
+        """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, 128]."""
+        acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                             instr_shape=[16, _HEAD_DIM, 16])
+        s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                           instr_shape=[16, _BLOCK_M, 16])
+        pid_n = gl.program_id(0)
+        pid_bh = gl.program_id(1)
+        b = pid_bh // HEADS_Q
+        h = pid_bh % HEADS_Q
+        kv0 = pid_n * _BLOCK_N + WG * _WG_N
+        kv_rows = kv0 + gl.arange(0, _WG_N, layout=gl.SliceLayout(1, s_layout))
+        lse_row = lse_ptr + pid_bh.to(gl.int64) * seqlen_q
+        delta_row = delta_ptr + pid_bh.to(gl.int64) * seqlen_q
+        dq_row = dq_ptr + (b.to(gl.int64) * seqlen_q * HEADS_Q + h) * _HEAD_DIM     # dq_accum[b, 0, h, 0]
+        k_wg = k_smem.slice(WG * _WG_N, _WG_N)
+        v_wg = v_smem.slice(WG * _WG_N, _WG_N)
+        k_half = k_smem.slice(WG * (_HEAD_DIM // 2), _HEAD_DIM // 2, dim=1)
+        dk = gl.zeros([_WG_N, _HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([_WG_N, _HEAD_DIM], gl.float32, acc_layout)
+        j0, n_iter = _q_tiles(seqlen_q, CAUSAL)
+        mbarrier.wait(kv_ready, 0)
+        i0 = 0
+        if CAUSAL and PEEL:  # the two Q tiles on the diagonal carry the mask; every later one is fully visible
+            for i in range(2):   # a loop of its own (not unrolled): one copy of the masked step
+                dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
+                               qdo_empty, ds_ready, lse_row, delta_row, dq_row, kv_rows, qk_scale,
+                               sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 1)
+            i0 = 2
+        for i in range(i0, n_iter):
+            dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
+                           qdo_empty, ds_ready, lse_row, delta_row, dq_row, kv_rows, qk_scale, sm_scale,
+                           WG, HEADS_Q, STAGES, ATOMIC_VEC, 2 if CAUSAL and not PEEL else 0)
+
+        # Epilogue: dK, dV rows of query head h into [B, Sk, Hq, D]: dk / dv themselves without GQA, else
+        # float32 partials.  One int64 scalar plus int32 per-thread offsets that fold into immediates.
+        row_stride: gl.constexpr = HEADS_Q * _HEAD_DIM
+        tile = (b.to(gl.int64) * seqlen_k + kv0) * row_stride + h * _HEAD_DIM
+        rows = gl.arange(0, _WG_N, layout=gl.SliceLayout(1, acc_layout))
+        dcols = gl.arange(0, _HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        offs = rows[:, None] * row_stride + dcols[None, :]
+        gl.store(dk_ptr + tile + offs, dk.to(dk_ptr.dtype.element_ty))
+        gl.store(dv_ptr + tile + offs, dv.to(dv_ptr.dtype.element_ty))
+
+    @gluon.jit
+    def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q,
+                         seqlen_k, group, qk_scale, sm_scale, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr,
+                         STAGES: gl.constexpr,
+                         ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        k_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, _HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, _HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, _HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, _HEAD_DIM], do_desc.layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, _BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_N, _BLOCK_M], ds_layout)
+        kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(kv_ready, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(do_ready.index(i), count=1)
+            mbarrier.init(qdo_empty.index(i), count=2)   # one arrive per consumer warpgroup
+        for i in gl.static_range(2):
+            mbarrier.init(ds_ready.index(i), count=2)    # both halves of dS^T written
+        # Argument tuples are written inline: bound to a local first, their constexprs turn into tensors.
+        gl.warp_specialize([
+            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready,
+                         do_ready, qdo_empty, seqlen_q, seqlen_k, group, HEADS_Q, CAUSAL, STAGES)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
+                         lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                         0, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
+                         lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                         1, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL)),
+        ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
+
+
+# Compiled (variant, dtype, causal, device) and the (dtype, causal, device) whose compilation failed, with the
+# reason: a failure switches this path off for them (one warning), and the Triton kernels serve instead.
+_compiled: set = set()
+broken: dict = {}
+
+
+def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
+    """TMA descriptor over the 2D view [B * S, H * D] of a contiguous [B, S, H, D] tensor: a [rows, D]
+    block at (b * S + n, h * D) is one head's tile (as attn_fwd_hopper's)."""
+    b, s, h, d = t.shape
+    elem = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
+    layout = gl.NVMMASharedLayout.get_default_for([rows, d], elem)
+    return TensorDescriptor.from_tensor(t.view(b * s, h * d), [rows, d], layout)
+
+
+def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, variant: str = DEFAULT,
+             warmup: bool = False):
+    """Gradients (dq, dk, dv) shaped like q, k, v for a call `reasons` accepts, given dO, the forward's
+    lse2 [B, Hq, Sq] and Delta [B, Hq, Sq] (float32, dlse already folded in); written into dq / dk / dv
+    when given (contiguous, q's / k's / v's dtype).  None when the kernel fails to compile here (the
+    caller then runs the Triton kernels).  `out` is unused (Delta carries it).  warmup=True compiles
+    without launching and returns the compiled kernel (bench/gluon_bwd_probe.py)."""
+    stages, vec, peel = VARIANTS[variant]
+    b, sq, hq, d = q.shape
+    sk = k.shape[1]
+    group = spec.group_size
+    lse2, delta = lse2.contiguous(), delta.contiguous()
+    dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
+    if group > 1:  # float32 partials per query head, summed per group below
+        dk_out = torch.empty(b, sk, hq, d, dtype=torch.float32, device=k.device)
+        dv_out = torch.empty_like(dk_out)
+    else:          # written in place
+        dk_out = dk if dk is not None else torch.empty_like(k)
+        dv_out = dv if dv is not None else torch.empty_like(v)
+    grid = (sk // BLOCK_N, b * hq)
+    args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
+            lse2, delta, dq_accum, dk_out, dv_out, sq, sk, group, spec.softmax_scale * LOG2E, spec.softmax_scale)
+    # Hq is compiled in (constant strides); one compile per head count, as per dtype and causal.
+    meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, STAGES=stages, ATOMIC_VEC=vec, PEEL=peel, num_warps=4)
+    if warmup:
+        return _attn_bwd_hopper.warmup(*args, grid=grid, **meta)
+    key = (q.dtype, spec.causal, q.device)
+    if (variant, hq, group > 1, *key) not in _compiled:
+        try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
+            _attn_bwd_hopper.warmup(*args, grid=grid, **meta)
+        except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernels"
+            broken[key] = f"{type(e).__name__}: {e}"[:300]
+            warnings.warn(f"flashport: the Hopper backward failed to compile for {key} and is switched off "
+                          f"for it; the Triton kernels serve instead ({broken[key]})", RuntimeWarning, stacklevel=3)
+            return None
+        _compiled.add((variant, hq, group > 1, *key))
+    _attn_bwd_hopper[grid](*args, **meta)
+    # dQ already carries softmax_scale (folded into dS): the epilogue is a cast.
+    dq = dq.copy_(dq_accum) if dq is not None else dq_accum.to(q.dtype)
+    if group > 1:  # [B, Sk, Hq, D] -> [B, Sk, Hkv, G, D] summed over G (query head h reads kv head h // G)
+        dk_sum = dk_out.unflatten(2, (spec.heads_kv, group)).sum(3)
+        dv_sum = dv_out.unflatten(2, (spec.heads_kv, group)).sum(3)
+        dk = dk.copy_(dk_sum) if dk is not None else dk_sum.to(k.dtype)
+        dv = dv.copy_(dv_sum) if dv is not None else dv_sum.to(v.dtype)
+    else:
+        dk, dv = dk_out, dv_out
+    return dq, dk, dv

@@ -1,0 +1,107 @@
+"""GPU tier of the Hopper backward (kernels/attn_bwd_hopper.py, Gluon, FlashAttention-3's 5-matmul schedule
+with dQ summed by atomics): skipped unless the GPU is an sm_90 part.  The kernel serves a subset of
+backward calls inside the `triton` backend (deterministic=False only), so each test checks both that the
+call was served by it (or, for the cases it must decline, that it was not) and the gradients under the
+conformance tolerance rule."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu,
+              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                                 reason="needs an sm_90 GPU")]
+
+import flashport  # noqa: E402
+from conformance import Case, check_dense, kwargs_of, make_inputs  # noqa: E402
+
+DEV = "cuda"
+
+
+@pytest.fixture
+def served(monkeypatch):
+    """Counts the backward calls the Hopper kernel served.  (Imported here, not at collection: importing
+    the kernels before the interpreter tier sets TRITON_INTERPRET would compile them for every tier.)"""
+    from flashport.kernels import attn_bwd_hopper
+    calls = []
+    real = attn_bwd_hopper.backward
+
+    def spy(*a, **kw):
+        result = real(*a, **kw)
+        if result is not None:          # None: it failed to compile and the Triton kernels ran instead
+            calls.append(a[0])
+        return result
+    monkeypatch.setattr(attn_bwd_hopper, "backward", spy)
+    if not attn_bwd_hopper.enabled():
+        pytest.skip("Gluon unavailable")
+    return calls
+
+
+SERVED = [
+    Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=128),
+    Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=128, causal=True),
+    Case(b=1, sq=384, sk=640, hq=8, hkv=2, d=128),                   # Sq != Sk, GQA
+    Case(b=2, sq=256, sk=512, hq=4, hkv=2, d=128),                   # Sq != Sk with B > 1
+    Case(b=2, sq=640, sk=256, hq=2, hkv=2, d=128),                   # Sq > Sk
+    Case(b=1, sq=1024, sk=1024, hq=4, hkv=1, d=128, causal=True),    # MQA, 8 K/V tiles per head
+    Case(b=1, sq=128, sk=128, hq=2, hkv=2, d=128, causal=True, scale=0.3),   # one tile: diagonal only
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", SERVED, ids=str)
+def test_served_calls_conform(case, dtype, served):
+    check_dense("triton", case.replace(dtype=dtype), DEV, grads=True)
+    assert served, "the Hopper backward did not serve this call"
+
+
+DECLINED = [
+    Case(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, causal=True, deterministic=True),   # atomics: never
+    Case(b=1, sq=200, sk=256, hq=2, hkv=2, d=128),                   # not a multiple of 128
+    Case(b=1, sq=256, sk=384, hq=2, hkv=2, d=128, causal=True),      # causal with Sq != Sk
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, noncontig=True),   # strided: no TMA view
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=64),
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, window=(64, 0)),
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, softcap=5.0),
+]
+
+
+@pytest.mark.parametrize("case", DECLINED, ids=str)
+def test_declined_calls_run_the_triton_kernels(case, served):
+    check_dense("triton", case.replace(dtype=torch.bfloat16), DEV, grads=True)
+    assert not served
+
+
+def _grads(q, k, v, do, dlse, kw):
+    leaves = [t.detach().requires_grad_() for t in (q, k, v)]
+    out, lse = flashport.attention(*leaves, **kw)
+    return torch.autograd.grad((out.float() * do.float()).sum() + (lse * dlse).sum(), leaves)
+
+
+def test_agreement_with_the_triton_kernels_and_switch_off(served, monkeypatch):
+    """Same gradients as the Triton kernels (with an lse gradient: dlse folds into Delta); dK, dV carry no
+    atomics, so they repeat bit for bit; FLASHPORT_HOPPER_BWD=0 rolls back to the Triton kernels."""
+    case = Case(b=2, sq=512, sk=512, hq=8, hkv=2, d=128, causal=True, dtype=torch.bfloat16)
+    q, k, v, do, slopes = make_inputs(case, DEV)
+    dlse = torch.randn(case.b, case.hq, case.sq, device=DEV)
+    kw = dict(kwargs_of(case, slopes), backend="triton", return_lse=True)
+    got = _grads(q, k, v, do, dlse, kw)
+    again = _grads(q, k, v, do, dlse, kw)
+    assert len(served) == 2
+    assert torch.equal(got[1], again[1]) and torch.equal(got[2], again[2])
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD", "0")
+    ref = _grads(q, k, v, do, dlse, kw)
+    assert len(served) == 2                                         # rolled back to the Triton kernels
+    for name, a, r in zip(("dq", "dk", "dv"), got, ref):
+        scale = r.float().abs().max().item()
+        assert (a.float() - r.float()).abs().max().item() <= 2e-2 * scale, name
+
+
+def test_deterministic_true_is_reproducible(served):
+    case = Case(b=1, sq=512, sk=512, hq=4, hkv=4, d=128, dtype=torch.bfloat16)
+    q, k, v, do, slopes = make_inputs(case, DEV)
+    dlse = torch.zeros(case.b, case.hq, case.sq, device=DEV)
+    kw = dict(kwargs_of(case, slopes), backend="triton", return_lse=True, deterministic=True)
+    first, second = _grads(q, k, v, do, dlse, kw), _grads(q, k, v, do, dlse, kw)
+    assert not served
+    assert all(torch.equal(a, b) for a, b in zip(first, second))

@@ -1,0 +1,135 @@
+"""Which backward calls the Gluon Hopper backward (kernels/attn_bwd_hopper.py) accepts, checked without a
+GPU: anything the gate lets through that the kernel cannot handle would crash or compute garbage on an
+H100/H200, and deterministic=True must never reach it (its dQ is summed with atomics).  The kernel itself
+is checked by tests/gpu/test_hopper_bwd_gpu.py and bench/gluon_bwd_probe.py."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from flashport.spec import dense_spec
+
+
+def _spec(b=1, s=1024, hq=4, hkv=4, d=128, causal=False, sk=None, deterministic=False, **kw):
+    q = torch.empty(b, s, hq, d, dtype=kw.get("dtype", torch.bfloat16), device="meta")   # shapes only
+    k = torch.empty(b, sk or s, hkv, d, dtype=kw.get("dtype", torch.bfloat16), device="meta")
+    spec, _ = dense_spec(q, k, k, causal=causal, softmax_scale=kw.get("scale"), window_size=kw.get("window", (-1, -1)),
+                         softcap=kw.get("softcap", 0.0), alibi_slopes=None, dropout_p=kw.get("dropout", 0.0),
+                         deterministic=deterministic, return_lse=False)
+    return dataclasses.replace(spec, device=torch.device("cuda", 0)), q, k   # as if on a GPU: no CUDA call needed
+
+
+@pytest.fixture
+def bwd(monkeypatch):
+    from flashport.kernels import attn_bwd_hopper
+    monkeypatch.setattr(attn_bwd_hopper, "broken", {})
+    return attn_bwd_hopper
+
+
+@pytest.mark.parametrize("kw, reason", [
+    (dict(d=64), "head dim"),
+    (dict(deterministic=True), "deterministic=True"),
+    (dict(dtype=torch.float32), "bfloat16 / float16"),
+    (dict(softcap=5.0), "softcap"),
+    (dict(dropout=0.1), "dropout"),
+    (dict(scale=-0.5), "positive softmax scale"),
+    (dict(window=(256, 0)), "window"),
+    (dict(window=(-1, 64)), "window"),
+    (dict(s=512, sk=1024, causal=True), "Sq == Sk"),
+    (dict(s=1000), "multiples of 128"),
+    (dict(s=256, sk=200), "multiples of 128"),
+    (dict(b=0), "batch * heads"),
+    (dict(b=8192, hq=16, hkv=16), "batch * heads"),           # grid y would pass 65535
+    (dict(s=1 << 24, hq=1, hkv=1), "int32"),                  # per-head offsets are 32-bit
+])
+def test_gate_declines_what_the_kernel_cannot_serve(kw, reason, bwd):
+    spec, q, k = _spec(**kw)
+    got = bwd.reasons(spec, q, k, k, q)
+    assert got and reason in got[0], got
+
+
+def test_gate_declines_cpu_tensors_and_switch_off(monkeypatch, bwd):
+    spec, q, k = _spec()
+    assert "CUDA" in bwd.reasons(dataclasses.replace(spec, device=torch.device("cpu")), q, k, k, q)[0]
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD", "0")
+    assert not bwd.enabled()
+    assert "FLASHPORT_HOPPER_BWD" in bwd.reasons(spec, q, k, k, q)[0]
+
+
+def test_gate_reaches_the_device_checks_for_a_servable_call(monkeypatch, bwd):
+    """A call inside the subset passes every spec check: what is left is the device (sm_90) and the
+    tensors (contiguous, aligned), which the gate asks last."""
+    if bwd.gluon is None:
+        pytest.skip("Gluon not installed")
+    monkeypatch.setattr(bwd, "_capability", lambda index: (8, 0))
+    for kw in (dict(), dict(causal=True), dict(hq=8, hkv=2), dict(s=256, sk=640), dict(dtype=torch.float16)):
+        spec, q, k = _spec(**kw)
+        assert "sm_90" in bwd.reasons(spec, q, k, k, q)[0], kw
+    monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))
+    spec, q, k = _spec()
+    strided = torch.empty(1, 4, 1024, 128, dtype=torch.bfloat16, device="meta").transpose(1, 2)
+    assert "contiguous" in bwd.reasons(spec, q, k, k, strided)[0]
+
+
+def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, bwd):
+    """Safe fallback: if the toolchain rejects the Gluon kernel, backward() warns once and returns None (the
+    caller runs the Triton kernels), and the gate declines that variant from then on."""
+    if bwd.gluon is None:
+        pytest.skip("Gluon not installed")
+
+    class Rejecting:
+        def warmup(self, *a, **kw):
+            raise RuntimeError("ptxas: unsupported")
+    monkeypatch.setattr(bwd, "_attn_bwd_hopper", Rejecting())
+    monkeypatch.setattr(bwd, "_compiled", set())
+    q = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
+    spec, _ = dense_spec(q, q, q, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+    lse = torch.zeros(1, 2, 256)
+    with pytest.warns(RuntimeWarning, match="failed to compile"):
+        assert bwd.backward(spec, q, q, q, q, q, lse, lse) is None
+    assert "ptxas: unsupported" in bwd.broken[(torch.bfloat16, True, q.device)]
+    gpu_spec, gq, gk = _spec(causal=True)
+    bwd.broken[(gpu_spec.dtype, True, gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
+    monkeypatch.setattr(bwd, "enabled", lambda: True)
+    assert "failed to compile" in bwd.reasons(gpu_spec, gq, gk, gk, gq)[0]
+
+
+def test_default_variant_compiles_for_sm90a(tmp_path):
+    """The kernel has no interpreter: this is its CPU-side check, compiled for sm_90a with Triton's bundled
+    ptxas (bench/gluon_bwd_probe.py --compile-only, in a subprocess because the interpreter tier sets
+    TRITON_INTERPRET in every test process): bf16 / fp16, causal and not, MHA and GQA all compile to
+    HGMMA (no HMMA), TMA loads, vectorised float32 reductions for dQ, setmaxnreg, registers within the
+    consumers' 240 and shared memory within sm_90's opt-in.  Spills: ptxas spills a few scalars today (<= 104
+    bytes of stack, a handful of LDL per Q tile); the bound catches a change that makes it spill for real."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    triton = pytest.importorskip("triton")
+    pytest.importorskip("triton.experimental.gluon")
+    if not (Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump").exists():
+        pytest.skip("Triton's bundled cuobjdump is missing")
+    from flashport.kernels import attn_bwd_hopper
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(root / "bench" / "gluon_bwd_probe.py"), "--compile-only",
+                           "--variants", attn_bwd_hopper.DEFAULT, "--out", str(out)], env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["compile"]
+    assert len(rows) == 5
+    for r in rows:
+        assert "error" not in r, r["error"]
+        s, ops = r["sass"], r.get("sass_ops", {})
+        assert s["HGMMA"] > 0 and s["HMMA"] == 0 and s["UTMALDG"] > 0, (r["causal"], s)
+        assert any(op.startswith("REDG.E.ADD.F32") for op in ops), ops
+        assert any(op.startswith("USETMAXREG") for op in ops), ops
+        assert r["max_register_used"] <= attn_bwd_hopper.CONSUMER_REGS, r["max_register_used"]
+        assert r["shared_bytes"] <= 232448, r["shared_bytes"]
+        assert r["stack_bytes"] <= 128, (r["dtype"], r["gqa"], r["causal"], r["stack_bytes"])
