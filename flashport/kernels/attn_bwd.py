@@ -24,8 +24,8 @@ import triton
 import triton.language as tl
 
 from . import attn_bwd_hopper
-from .common import (KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
-                     offset, query_tiles, seq_bounds, split_dim, tile_part, transform_log2)
+from .common import (KernelArgs, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
+                     offset, query_tiles, seq_bounds, tile_part, transform_log2)
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
 
 
@@ -51,39 +51,24 @@ def _bwd_preprocess(Out, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, stride
 
 
 @triton.jit
-def _dkdv_tiles(dk, dk2, dv, dv2, k, k2, v, v2, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_dos, lo, hi,
+def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_dos, lo, hi,
                 full_lo, full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed,
                 rng_offset, bh, drop_threshold, drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr,
-                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_D2: tl.constexpr,
-                BLOCK_DV2: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+                BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK: tl.constexpr,
+                HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dK, dV over Q tiles [lo, hi) of one query head; q_ptr / do_ptr at row lo, lse_ptr /
     delta_ptr at row 0; Q tiles in [full_lo, full_hi) need no mask (MASK == 2).  Works on transposed
-    scores s^T [BLOCK_N, BLOCK_M].  dS carries softmax_scale, so dK needs no epilogue scaling.  With a
-    split head dim (BLOCK_D2 / BLOCK_DV2 > 0, common.split_dim) k2, v2, dk2, dv2 hold the columns past
-    BLOCK_D / BLOCK_DV and every dot over the head dim is two dots."""
+    scores s^T [BLOCK_N, BLOCK_M].  dS carries softmax_scale, so dK needs no epilogue scaling."""
     offs_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_offs = offs_mb[:, None] * stride_qs + offs_d[None, :]
     do_offs = offs_mb[:, None] * stride_dos + offs_dv[None, :]
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        q2_offs = offs_mb[:, None] * stride_qs + offs_d2[None, :]
-    if BLOCK_DV2 > 0:
-        offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
-        do2_offs = offs_mb[:, None] * stride_dos + offs_dv2[None, :]
     for start_m in range(lo, hi, BLOCK_M):
         offs_m = start_m + offs_mb
-        q = load_tile(q_ptr + q_offs, offs_m[:, None], sq, offs_d[None, :], D, MASK != 0, BLOCK_D > D)
-        do = load_tile(do_ptr + do_offs, offs_m[:, None], sq, offs_dv[None, :], DV, MASK != 0, BLOCK_DV > DV)
-        q2 = q
-        do2 = do
-        if BLOCK_D2 > 0:
-            q2 = load_tile(q_ptr + q2_offs, offs_m[:, None], sq, offs_d2[None, :], D, MASK != 0, BLOCK_D + BLOCK_D2 > D)
-        if BLOCK_DV2 > 0:
-            do2 = load_tile(do_ptr + do2_offs, offs_m[:, None], sq, offs_dv2[None, :], DV, MASK != 0,
-                            BLOCK_DV + BLOCK_DV2 > DV)
+        q = load_tile(q_ptr + q_offs, offs_m[:, None], sq, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
+        do = load_tile(do_ptr + do_offs, offs_m[:, None], sq, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
         if MASK != 0:
             # Rows past Sq get lse2 = +inf (as rows without keys already have): P = 0, no NaN.
             lse2 = tl.load(lse_ptr + offs_m, mask=offs_m < sq, other=float("inf"))
@@ -92,16 +77,12 @@ def _dkdv_tiles(dk, dk2, dv, dv2, k, k2, v, v2, q_ptr, do_ptr, lse_ptr, delta_pt
             lse2 = tl.load(lse_ptr + offs_m)
             delta = tl.load(delta_ptr + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
-        if BLOCK_D2 > 0:
-            qk_t += tl.dot(k2, tl.trans(q2), input_precision=PRECISION)
         s_t, t_t = transform_log2(qk_t, offs_m[None, :], offs_n[:, None], diag, qk_scale, cap_in, cap_out, slope2,
                               SOFTCAP, ALIBI)
         s_t = mask_scores(s_t, offs_m[None, :], offs_n[:, None], sk, diag, left, right,
                           (start_m < full_lo) | (start_m >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
         p_t = tl.exp2(s_t - lse2[None, :])
         dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        if BLOCK_DV2 > 0:
-            dp_t += tl.dot(v2, tl.trans(do2), input_precision=PRECISION)
         if DROPOUT:
             keep = dropout_keep(seed, rng_offset, bh, offs_m[None, :], offs_n[:, None], drop_threshold)
             pz_t = tl.where(keep, p_t * drop_scale, 0.0)
@@ -109,18 +90,14 @@ def _dkdv_tiles(dk, dk2, dv, dv2, k, k2, v, v2, q_ptr, do_ptr, lse_ptr, delta_pt
         else:
             pz_t = p_t
         dv += tl.dot(pz_t.to(do.dtype), do, input_precision=PRECISION)
-        if BLOCK_DV2 > 0:
-            dv2 += tl.dot(pz_t.to(do.dtype), do2, input_precision=PRECISION)
         # scale * P * (dP - Delta) with the scale inside one FMA: dS already holds d(score) / d(qk).
         ds_t = p_t * (dp_t * sm_scale - (delta * sm_scale)[None, :])
         if SOFTCAP:
             ds_t = ds_t * (1.0 - t_t * t_t)
         dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
-        if BLOCK_D2 > 0:
-            dk2 += tl.dot(ds_t.to(q.dtype), q2, input_precision=PRECISION)
         q_ptr += BLOCK_M * stride_qs
         do_ptr += BLOCK_M * stride_dos
-    return dk, dk2, dv, dv2
+    return dk, dv
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
@@ -130,10 +107,9 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
               stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh,
               stride_slope_b, seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold,
               drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_D2: tl.constexpr,
-              BLOCK_DV2: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-              SPLIT: tl.constexpr, ALIGN: tl.constexpr):
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)  # query head; its K/V come from kv head h // G
     b = tl.program_id(2)
@@ -151,14 +127,6 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
     b64, row0 = tl.cast(b, tl.int64), k_start + start_n
     k = load_head_tile(K, b64, kvh, row0, stride_kb, stride_kh, stride_ks, start_n, sk, BLOCK_N, D, BLOCK_D, ALIGN)
     v = load_head_tile(V, b64, kvh, row0, stride_vb, stride_vh, stride_vs, start_n, sk, BLOCK_N, DV, BLOCK_DV, ALIGN)
-    k2 = k  # (unused without a split head dim)
-    v2 = v
-    if BLOCK_D2 > 0:
-        k2 = load_head_tile(K + BLOCK_D, b64, kvh, row0, stride_kb, stride_kh, stride_ks, start_n, sk, BLOCK_N,
-                            D - BLOCK_D, BLOCK_D2, ALIGN)
-    if BLOCK_DV2 > 0:
-        v2 = load_head_tile(V + BLOCK_DV, b64, kvh, row0, stride_vb, stride_vh, stride_vs, start_n, sk, BLOCK_N,
-                            DV - BLOCK_DV, BLOCK_DV2, ALIGN)
 
     # Q tiles with a row that sees this key tile [lo, hi), of which [full_lo, full_hi) need no mask.
     lo, hi, full_lo, full_hi = query_tiles(start_n, sq, sk, diag, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -166,8 +134,6 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
     slope2, seed, rng_offset, bh = head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI, DROPOUT)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-    dk2 = tl.zeros([BLOCK_N, BLOCK_D2 if BLOCK_D2 > 0 else 16], tl.float32)
-    dv2 = tl.zeros([BLOCK_N, BLOCK_DV2 if BLOCK_DV2 > 0 else 16], tl.float32)
     h64, q0 = tl.cast(h, tl.int64), tl.cast(q_start, tl.int64)
     q_ptr = Q + offset(b64, h64, q0, stride_qb, stride_qh, stride_qs, ALIGN)
     do_ptr = DO + offset(b64, h64, q0, stride_dob, stride_doh, stride_dos, ALIGN)
@@ -178,11 +144,11 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
     for part in tl.static_range(3 if SPLIT else 1):
         p_lo, p_hi = tile_part(lo, hi, full_lo, full_hi, part, SPLIT)
         r = tl.cast(p_lo, tl.int64)
-        dk, dk2, dv, dv2 = _dkdv_tiles(
-            dk, dk2, dv, dv2, k, k2, v, v2, q_ptr + r * stride_qs, do_ptr + r * stride_dos, lse_ptr, delta_ptr, stride_qs,
+        dk, dv = _dkdv_tiles(
+            dk, dv, k, v, q_ptr + r * stride_qs, do_ptr + r * stride_dos, lse_ptr, delta_ptr, stride_qs,
             stride_dos, p_lo, p_hi, full_lo, full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out,
             slope2, seed, rng_offset, bh, drop_threshold, drop_scale, sm_scale, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV,
-            BLOCK_D2, BLOCK_DV2, (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+            (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
 
     row_mask = offs_n[:, None] < sk
     dk_ptr = DK + offset(b64, h64, row0, stride_dkb, stride_dkh, stride_dks, ALIGN)
@@ -191,57 +157,33 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
     dv_ptr = DVt + offset(b64, h64, row0, stride_dvb, stride_dvh, stride_dvs, ALIGN)
     tl.store(dv_ptr + offs_nb[:, None] * stride_dvs + offs_dv[None, :], dv.to(DVt.dtype.element_ty),
              mask=row_mask & (offs_dv[None, :] < DV))
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        tl.store(dk_ptr + offs_nb[:, None] * stride_dks + offs_d2[None, :], dk2.to(DK.dtype.element_ty),
-                 mask=row_mask & (offs_d2[None, :] < D))
-    if BLOCK_DV2 > 0:
-        offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
-        tl.store(dv_ptr + offs_nb[:, None] * stride_dvs + offs_dv2[None, :], dv2.to(DVt.dtype.element_ty),
-                 mask=row_mask & (offs_dv2[None, :] < DV))
 
 
 @triton.jit
-def _dq_tiles(dq, dq2, q, q2, do, do2, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, full_lo, full_hi,
-              offs_m, sk, diag, left, right,
+def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, full_lo, full_hi, offs_m, sk, diag,
+              left, right,
               qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-              BLOCK_DV: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr, MASK: tl.constexpr,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
+              BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr):
     """Accumulate dS K over key tiles [lo, hi); k_ptr / v_ptr at key row lo; key tiles in
-    [full_lo, full_hi) need no mask (MASK == 2).  q2 / do2 / dq2: the split head dim's second part
-    (as in _dkdv_tiles)."""
+    [full_lo, full_hi) need no mask (MASK == 2)."""
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k_offs = offs_nb[:, None] * stride_ks + offs_d[None, :]
     v_offs = offs_nb[:, None] * stride_vs + offs_dv[None, :]
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        k2_offs = offs_nb[:, None] * stride_ks + offs_d2[None, :]
-    if BLOCK_DV2 > 0:
-        offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
-        v2_offs = offs_nb[:, None] * stride_vs + offs_dv2[None, :]
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
-        k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, BLOCK_D > D)
-        v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, BLOCK_DV > DV)
+        k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
+        v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if BLOCK_D2 > 0:
-            k2 = load_tile(k_ptr + k2_offs, offs_n[:, None], sk, offs_d2[None, :], D, MASK != 0,
-                           BLOCK_D + BLOCK_D2 > D)
-            qk += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
         s, t = transform_log2(qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP,
                           ALIBI)
         s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right,
                         (start_n < full_lo) | (start_n >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
         p = tl.exp2(s - lse2[:, None])
         dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        if BLOCK_DV2 > 0:
-            v2 = load_tile(v_ptr + v2_offs, offs_n[:, None], sk, offs_dv2[None, :], DV, MASK != 0,
-                           BLOCK_DV + BLOCK_DV2 > DV)
-            dp += tl.dot(do2, tl.trans(v2), input_precision=PRECISION)
         if DROPOUT:
             keep = dropout_keep(seed, rng_offset, bh, offs_m[:, None], offs_n[None, :], drop_threshold)
             dp = tl.where(keep, dp * drop_scale, 0.0)
@@ -249,11 +191,9 @@ def _dq_tiles(dq, dq2, q, q2, do, do2, lse2, delta, k_ptr, v_ptr, stride_ks, str
         if SOFTCAP:
             ds = ds * (1.0 - t * t)
         dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
-        if BLOCK_D2 > 0:
-            dq2 += tl.dot(ds.to(k.dtype), k2, input_precision=PRECISION)
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
-    return dq, dq2
+    return dq
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
@@ -262,10 +202,9 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
             stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
             stride_slope_b, seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold,
             drop_scale, sm_scale, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr,
-            IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
-            ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
-            ALIGN: tl.constexpr):
+            BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
+            HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
+            PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -283,14 +222,6 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
     q = load_head_tile(Q, b64, h64, row0, stride_qb, stride_qh, stride_qs, start_m, sq, BLOCK_M, D, BLOCK_D, ALIGN)
     do = load_head_tile(DO, b64, h64, row0, stride_dob, stride_doh, stride_dos, start_m, sq, BLOCK_M, DV, BLOCK_DV,
                         ALIGN)
-    q2 = q  # (unused without a split head dim)
-    do2 = do
-    if BLOCK_D2 > 0:
-        q2 = load_head_tile(Q + BLOCK_D, b64, h64, row0, stride_qb, stride_qh, stride_qs, start_m, sq, BLOCK_M,
-                            D - BLOCK_D, BLOCK_D2, ALIGN)
-    if BLOCK_DV2 > 0:
-        do2 = load_head_tile(DO + BLOCK_DV, b64, h64, row0, stride_dob, stride_doh, stride_dos, start_m, sq, BLOCK_M,
-                             DV - BLOCK_DV, BLOCK_DV2, ALIGN)
     row_stats = b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64)
     # lse2 is +inf for rows that see no key, and rows past Sq read +inf: P = 0 there, never NaN.
     lse2 = tl.load(Lse + row_stats + offs_m, mask=offs_m < sq, other=float("inf"))
@@ -303,22 +234,17 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
     k_base = K + offset(b64, kvh, k_start, stride_kb, stride_kh, stride_ks, ALIGN)
     v_base = V + offset(b64, kvh, k_start, stride_vb, stride_vh, stride_vs, ALIGN)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-    dq2 = tl.zeros([BLOCK_M, BLOCK_D2 if BLOCK_D2 > 0 else 16], tl.float32)
     for part in tl.static_range(3 if SPLIT else 1):  # as in the forward (common.py's SPLIT note)
         p_lo, p_hi = tile_part(lo, hi, full_lo, full_hi, part, SPLIT)
         r = tl.cast(p_lo, tl.int64)
-        dq, dq2 = _dq_tiles(dq, dq2, q, q2, do, do2, lse2, delta, k_base + r * stride_ks, v_base + r * stride_vs,
-                            stride_ks, stride_vs, p_lo, p_hi, full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale,
-                            cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale, D, DV, BLOCK_N,
-                            BLOCK_D, BLOCK_DV, BLOCK_D2, BLOCK_DV2, (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT,
-                            HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION)
+        dq = _dq_tiles(dq, q, do, lse2, delta, k_base + r * stride_ks, v_base + r * stride_vs, stride_ks, stride_vs,
+                       p_lo, p_hi, full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2,
+                       seed, rng_offset, bh, drop_threshold, drop_scale, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+                       (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT,
+                       PRECISION)
     dq_ptr = DQ + offset(b64, h64, row0, stride_dqb, stride_dqh, stride_dqs, ALIGN)
     tl.store(dq_ptr + offs_mb[:, None] * stride_dqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < sq) & (offs_d[None, :] < D))
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        tl.store(dq_ptr + offs_mb[:, None] * stride_dqs + offs_d2[None, :], (dq2 * sm_scale).to(DQ.dtype.element_ty),
-                 mask=(offs_m[:, None] < sq) & (offs_d2[None, :] < D))
 
 
 def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None,
@@ -344,7 +270,7 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     delta = torch.empty_like(lse2)
     do_s, o_s = a.strides(do), a.strides(out)
     pre_m = INTERPRETER_CONFIG.block_m if interpreting() else 64
-    _bwd_preprocess[(cdiv(spec.seqlen_q, pre_m), hq, spec.batch)](
+    _bwd_preprocess[(triton.cdiv(spec.seqlen_q, pre_m), hq, spec.batch)](
         out, do, delta, a.cu_q, *o_s, *do_s, *l_strides, a.seqlen_q, DV=spec.head_dim_v, BLOCK_M=pre_m,
         BLOCK_DV=a.constexprs["BLOCK_DV"], IS_VARLEN=varlen, ALIGN=a.constexprs["ALIGN"], num_warps=4)
     if dlse is not None:
@@ -370,24 +296,19 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
         dv_out = alloc32((*v.shape[:-2], hq, v.shape[-1]), dtype=torch.float32, device=v.device)
         a.cover(dk_out, dv_out)
 
-    # Head dims such as 72 / 80 / 96: a power-of-two part plus a narrow one, two dots each (common.split_dim);
-    # after every cover(), which may lower ALIGN.
-    (bd, bd2), (bdv, bdv2) = split_dim(spec.head_dim), split_dim(spec.head_dim_v)
-    dims = dict(a.constexprs, BLOCK_D=bd, BLOCK_D2=bd2, BLOCK_DV=bdv, BLOCK_DV2=bdv2)
-
     def launch_dkdv(cfg):
-        grid = (cdiv(spec.seqlen_k, cfg.block_n), hq, spec.batch)
+        grid = (triton.cdiv(spec.seqlen_k, cfg.block_n), hq, spec.batch)
         _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk_out, dv_out, a.slopes, a.cu_q, a.cu_k, a.rng,
                         *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk_out), *a.strides(dv_out),
                         *l_strides, *common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
-                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dims)
+                        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
 
     def launch_dq(cfg):
-        grid = (cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
+        grid = (triton.cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
         _bwd_dq[grid](q, k, v, do, lse2, delta, dq, a.slopes, a.cu_q, a.cu_k, a.rng,
                       *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dq), *l_strides, *common,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, num_warps=cfg.num_warps,
-                      num_stages=cfg.num_stages, **dims)
+                      num_stages=cfg.num_stages, **a.constexprs)
 
     launch_with_fallback("bwd_dkdv", spec, q.device, launch_dkdv, configs.get("bwd_dkdv"))
     launch_with_fallback("bwd_dq", spec, q.device, launch_dq, configs.get("bwd_dq"))
