@@ -19,41 +19,30 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LN2_K, KernelArgs, cdiv, dropout_keep, split_dim, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
+from .common import (LN2_K, KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
                      offset, seq_bounds, tile_part, transform_log2)
 from . import attn_fwd_hopper
 from .tuning import launch_with_fallback
 
 
 @triton.jit
-def _fwd_tiles(acc, acc2, l_i, m_i, q, q2, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, full_lo, full_hi, offs_m, sk,
-               diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
+def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, full_lo, full_hi, offs_m, sk, diag,
+               left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold,
                D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
-               BLOCK_DV: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr, MASK: tl.constexpr,
-               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-               DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SCALE_FOLD: tl.constexpr):
+               BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+               SCALE_FOLD: tl.constexpr):
     """Key tiles [lo, hi) (lo a multiple of BLOCK_N); k_ptr / v_ptr point at key row lo.  Tiles in
-    [full_lo, full_hi) need no mask (used when MASK == 2, see common.mask_scores).  With a split head
-    dim (BLOCK_D2 / BLOCK_DV2 > 0, see common.split_dim) q2 / acc2 hold the columns past BLOCK_D / BLOCK_DV."""
+    [full_lo, full_hi) need no mask (used when MASK == 2, see common.mask_scores)."""
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k_offs = offs_nb[:, None] * stride_ks + offs_d[None, :]
     v_offs = offs_nb[:, None] * stride_vs + offs_dv[None, :]
-    if BLOCK_D2 > 0:
-        offs_d2 = BLOCK_D + tl.arange(0, BLOCK_D2)
-        k2_offs = offs_nb[:, None] * stride_ks + offs_d2[None, :]
-    if BLOCK_DV2 > 0:
-        offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
-        v2_offs = offs_nb[:, None] * stride_vs + offs_dv2[None, :]
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_nb
-        k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, BLOCK_D > D)
+        k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        if BLOCK_D2 > 0:
-            k2 = load_tile(k_ptr + k2_offs, offs_n[:, None], sk, offs_d2[None, :], D, MASK != 0,
-                           BLOCK_D + BLOCK_D2 > D)
-            qk += tl.dot(q2, tl.trans(k2), input_precision=PRECISION)
         boundary = (start_n < full_lo) | (start_n >= full_hi)
         if SCALE_FOLD:
             # Plain scores with a positive scale: max(qk * c) = max(qk) * c, so the scale joins the
@@ -81,16 +70,12 @@ def _fwd_tiles(acc, acc2, l_i, m_i, q, q2, k_ptr, v_ptr, stride_ks, stride_vs, l
             # l_i normalises the undropped probabilities; kept ones are rescaled in the epilogue.
             p = tl.where(dropout_keep(seed, rng_offset, bh, offs_m[:, None], offs_n[None, :], drop_threshold),
                          p, 0.0)
-        v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, BLOCK_DV > DV)
+        v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        if BLOCK_DV2 > 0:
-            v2 = load_tile(v_ptr + v2_offs, offs_n[:, None], sk, offs_dv2[None, :], DV, MASK != 0,
-                           BLOCK_DV + BLOCK_DV2 > DV)
-            acc2 = acc2 * alpha[:, None] + tl.dot(p.to(v2.dtype), v2, input_precision=PRECISION)
         m_i = m_ij
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
-    return acc, acc2, l_i, m_i
+    return acc, l_i, m_i
 
 
 @triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
@@ -99,8 +84,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
               stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_slope_b,
               seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold, drop_scale,
               D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, BLOCK_D2: tl.constexpr, BLOCK_DV2: tl.constexpr,
-              IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
+              BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               PRECISION: tl.constexpr, SPLIT: tl.constexpr, SCALE_FOLD: tl.constexpr, ALIGN: tl.constexpr):
     # Heaviest Q tiles (largest row index: most keys under causal) are scheduled first.
@@ -121,10 +105,6 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     b64 = tl.cast(b, tl.int64)
     q = load_head_tile(Q, b64, h, q_start + start_m, stride_qb, stride_qh, stride_qs, start_m, sq, BLOCK_M, D, BLOCK_D,
                        ALIGN)
-    q2 = q  # (unused without a split head dim)
-    if BLOCK_D2 > 0:
-        q2 = load_head_tile(Q + BLOCK_D, b64, h, q_start + start_m, stride_qb, stride_qh, stride_qs, start_m, sq,
-                            BLOCK_M, D - BLOCK_D, BLOCK_D2, ALIGN)
 
     # Key tiles some row sees [lo, hi), of which [full_lo, full_hi) need no mask.
     lo, hi, full_lo, full_hi = key_tiles(start_m, sq, sk, diag, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
@@ -135,16 +115,15 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
-    acc2 = tl.zeros([BLOCK_M, BLOCK_DV2 if BLOCK_DV2 > 0 else 16], tl.float32)
     # SPLIT: boundary tiles (masked), full tiles (no mask code), boundary tiles again; otherwise one
     # pipelined loop masking behind a run-time branch (see kernels/common.py).
     for part in tl.static_range(3 if SPLIT else 1):
         p_lo, p_hi = tile_part(lo, hi, full_lo, full_hi, part, SPLIT)
         r = tl.cast(p_lo, tl.int64)
-        acc, acc2, l_i, m_i = _fwd_tiles(
-            acc, acc2, l_i, m_i, q, q2, k_base + r * stride_ks, v_base + r * stride_vs, stride_ks, stride_vs, p_lo, p_hi,
+        acc, l_i, m_i = _fwd_tiles(
+            acc, l_i, m_i, q, k_base + r * stride_ks, v_base + r * stride_vs, stride_ks, stride_vs, p_lo, p_hi,
             full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
-            drop_threshold, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, BLOCK_D2, BLOCK_DV2, (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT,
+            drop_threshold, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT,
             HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCALE_FOLD)
 
     # Epilogue: rows that saw no key (l_i = 0) get out = 0 and lse = -inf.
@@ -155,11 +134,6 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     o_ptr = Out + offset(b64, h, q_start + start_m, stride_ob, stride_oh, stride_os, ALIGN)
     tl.store(o_ptr + offs_mb[:, None] * stride_os + offs_dv[None, :], out.to(Out.dtype.element_ty),
              mask=(offs_m[:, None] < sq) & (offs_dv[None, :] < DV))
-    if BLOCK_DV2 > 0:
-        offs_dv2 = BLOCK_DV + tl.arange(0, BLOCK_DV2)
-        out2 = acc2 * (drop_scale / l_safe)[:, None]
-        tl.store(o_ptr + offs_mb[:, None] * stride_os + offs_dv2[None, :], out2.to(Out.dtype.element_ty),
-                 mask=(offs_m[:, None] < sq) & (offs_dv2[None, :] < DV))
     row_stats = b64 * stride_lb + tl.cast(h, tl.int64) * stride_lh + tl.cast(q_start, tl.int64)
     tl.store(Lse + row_stats + offs_m, lse, mask=offs_m < sq)
     # The backward's copy, in the log2 domain (no ln2 round trip in P = exp2(s2 - lse2)) and +inf
@@ -202,10 +176,6 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
     a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state)
     scale_fold = spec.softmax_scale > 0 and spec.softcap == 0 and alibi is None
     a.cover(out)
-    # Head dims such as 72 / 80 / 96 run as a power-of-two part plus a narrow one (two dots) instead of
-    # one dot padded to 128: common.split_dim.
-    (bd, bd2), (bdv, bdv2) = split_dim(spec.head_dim), split_dim(spec.head_dim_v)
-    dims = dict(a.constexprs, BLOCK_D=bd, BLOCK_D2=bd2, BLOCK_DV=bdv, BLOCK_DV2=bdv2)
 
     def launch(cfg):
         grid = (cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
@@ -215,7 +185,7 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
             a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,
             a.drop_threshold, a.drop_scale,
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCALE_FOLD=scale_fold,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **dims)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
 
     launch_with_fallback("fwd", spec, q.device, launch, config)
     return out, lse, lse2

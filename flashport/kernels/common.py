@@ -314,19 +314,6 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def split_dim(d: int) -> tuple[int, int]:
-    """(BLOCK_D, BLOCK_D2): a head dim as a power-of-two part plus a narrow remainder (two dots, the
-    second over 16-32 columns) when that is smaller than padding it whole to block_dim(d), else
-    (block_dim(d), 0).  D=80: 64 + 16 where one padded dot does 128 columns of tensor-core work (37.5%
-    of it on zeros); 72 -> 64 + 16, 96 -> 64 + 32, 40 -> 32 + 16, 160 -> 128 + 32."""
-    whole = block_dim(d)
-    low = whole // 2
-    if d <= 16 or low == d:
-        return whole, 0
-    rest = block_dim(d - low)
-    return (low, rest) if low + rest < whole else (whole, 0)
-
-
 def block_dim(d: int) -> int:
     """Head dims are padded in-kernel to a power of two >= 16 (tl.dot's minimum).  Plain integer
     arithmetic: triton.next_power_of_2 is a constexpr function, several microseconds per host call."""
