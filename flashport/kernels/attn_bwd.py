@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from . import attn_bwd_hopper
-from .common import (KernelArgs, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
+from .common import (KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
                      offset, query_tiles, seq_bounds, tile_part, transform_log2)
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
 
@@ -270,7 +270,7 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     delta = torch.empty_like(lse2)
     do_s, o_s = a.strides(do), a.strides(out)
     pre_m = INTERPRETER_CONFIG.block_m if interpreting() else 64
-    _bwd_preprocess[(triton.cdiv(spec.seqlen_q, pre_m), hq, spec.batch)](
+    _bwd_preprocess[(cdiv(spec.seqlen_q, pre_m), hq, spec.batch)](
         out, do, delta, a.cu_q, *o_s, *do_s, *l_strides, a.seqlen_q, DV=spec.head_dim_v, BLOCK_M=pre_m,
         BLOCK_DV=a.constexprs["BLOCK_DV"], IS_VARLEN=varlen, ALIGN=a.constexprs["ALIGN"], num_warps=4)
     if dlse is not None:
@@ -297,14 +297,14 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
         a.cover(dk_out, dv_out)
 
     def launch_dkdv(cfg):
-        grid = (triton.cdiv(spec.seqlen_k, cfg.block_n), hq, spec.batch)
+        grid = (cdiv(spec.seqlen_k, cfg.block_n), hq, spec.batch)
         _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk_out, dv_out, a.slopes, a.cu_q, a.cu_k, a.rng,
                         *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk_out), *a.strides(dv_out),
                         *l_strides, *common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
                         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
 
     def launch_dq(cfg):
-        grid = (triton.cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
+        grid = (cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
         _bwd_dq[grid](q, k, v, do, lse2, delta, dq, a.slopes, a.cu_q, a.cu_k, a.rng,
                       *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dq), *l_strides, *common,
                       BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, num_warps=cfg.num_warps,
