@@ -42,12 +42,13 @@ import warnings
 import torch
 import triton
 
+from .attn_fwd_hopper import _descriptor  # the same [B * S, H * D] TMA view
+
 try:  # Gluon ships with recent Triton; without it (or another version: TESTED_TRITON) this path declines
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -317,15 +318,6 @@ if gluon is not None:
 # reason: a failure switches this path off for them (one warning), and the Triton kernels serve instead.
 _compiled: set = set()
 broken: dict = {}
-
-
-def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
-    """TMA descriptor over the 2D view [B * S, H * D] of a contiguous [B, S, H, D] tensor: a [rows, D]
-    block at (b * S + n, h * D) is one head's tile (as attn_fwd_hopper's)."""
-    b, s, h, d = t.shape
-    elem = gl.bfloat16 if t.dtype == torch.bfloat16 else gl.float16
-    layout = gl.NVMMASharedLayout.get_default_for([rows, d], elem)
-    return TensorDescriptor.from_tensor(t.view(b * s, h * d), [rows, d], layout)
 
 
 def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, variant: str = DEFAULT,
