@@ -109,7 +109,11 @@ class TritonBackend(dispatch.Backend):
                     "hopper_forward": "sm_90: D = 64, 128 or 256 (q/k and v alike) bf16/fp16 contiguous forward, "
                                       "lengths a multiple of 128 from per-head-dim floors (attn_fwd_hopper.MIN_KEYS / "
                                       "MIN_KEYS_CAUSAL), no window/softcap/ALiBi/dropout: Gluon kernel with "
-                                      "FlashAttention-3's schedule (FLASHPORT_HOPPER_FWD=0: off)"}
+                                      "FlashAttention-3's schedule (FLASHPORT_HOPPER_FWD=0: off)",
+                    "hopper_backward": "sm_90: D=128 bf16/fp16 contiguous backward with deterministic=False, lengths a "
+                                       "multiple of 128, no window/softcap/ALiBi/dropout: Gluon kernel with FA3's "
+                                       "5-matmul schedule, dQ summed with float32 atomics (FLASHPORT_HOPPER_BWD=0: "
+                                       "off; deterministic=True keeps the atomic-free Triton kernels)"}
 
     def availability(self) -> list[str]:
         return list(_availability(_interpreting()))
