@@ -35,14 +35,13 @@ Inputs: q, do [B, Sq, Hq, 128]; k, v [B, Sk, Hkv, 128]; lse2 = lse / ln 2 and De
 """
 from __future__ import annotations
 
-import functools
 import os
 import warnings
 
 import torch
 import triton
 
-from .attn_fwd_hopper import _descriptor  # the same [B * S, H * D] TMA view
+from .attn_fwd_hopper import _capability, _descriptor, feature_reasons  # shared with the forward
 
 try:  # Gluon ships with recent Triton; without it (or another version: TESTED_TRITON) this path declines
     from triton.experimental import gluon
@@ -77,11 +76,6 @@ def enabled() -> bool:
             and os.environ.get("FLASHPORT_HOPPER_BWD", "1") != "0")
 
 
-@functools.lru_cache(maxsize=None)
-def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
-
-
 def reasons(spec, q, k, v, do, out=None) -> list[str]:
     """Why this kernel cannot serve the backward (empty: it can).  Runs on every backward, so the
     cheapest checks come first and the first failing one is the answer."""
@@ -91,14 +85,9 @@ def reasons(spec, q, k, v, do, out=None) -> list[str]:
         return ["dense CUDA tensors only"]
     if spec.deterministic:
         return ["deterministic=True: dQ is summed with atomics here (the Triton kernels are reproducible)"]
-    if spec.dtype not in (torch.bfloat16, torch.float16):
-        return ["bfloat16 / float16 only"]
-    if spec.softcap > 0 or spec.alibi is not None or spec.dropout_p > 0 or spec.softmax_scale <= 0:
-        return ["no softcap, ALiBi or dropout; positive softmax scale"]
-    if spec.window_left >= 0 or (spec.window_right >= 0 and not spec.causal):
-        return ["no sliding window"]
-    if spec.causal and spec.seqlen_q != spec.seqlen_k:
-        return ["causal needs Sq == Sk"]
+    plain = feature_reasons(spec)
+    if plain:
+        return plain
     if spec.seqlen_q % BLOCK_N or spec.seqlen_k % BLOCK_N or min(spec.seqlen_q, spec.seqlen_k) == 0:
         return [f"sequence lengths must be non-zero multiples of {BLOCK_N}"]
     if spec.batch == 0 or spec.batch * spec.heads_q > MAX_GRID_Y:

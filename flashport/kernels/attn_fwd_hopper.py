@@ -103,6 +103,20 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def feature_reasons(spec) -> list[str]:
+    """The call features both Hopper kernels (this forward and kernels/attn_bwd_hopper.py) leave to the
+    Triton kernels: the first one present, or [] for a plain bf16/fp16 call, causal only with Sq == Sk."""
+    if spec.dtype not in (torch.bfloat16, torch.float16):
+        return ["bfloat16 / float16 only"]
+    if spec.softcap > 0 or spec.alibi is not None or spec.dropout_p > 0 or spec.softmax_scale <= 0:
+        return ["no softcap, ALiBi or dropout; positive softmax scale"]
+    if spec.window_left >= 0 or (spec.window_right >= 0 and not spec.causal):
+        return ["no sliding window"]
+    if spec.causal and spec.seqlen_q != spec.seqlen_k:
+        return ["causal needs Sq == Sk"]
+    return []
+
+
 def reasons(spec, q, k, v, length_floor: bool = True) -> list[str]:
     """Why this kernel cannot serve the call (empty: it can).  Runs on every forward, so the cheapest
     checks come first and the first failing one is the answer.  length_floor=False leaves out the
@@ -112,14 +126,9 @@ def reasons(spec, q, k, v, length_floor: bool = True) -> list[str]:
         return [f"head dim {' / '.join(map(str, TILES))} only (q/k and v alike)"]
     if spec.kind != "dense" or spec.device.type != "cuda":
         return ["dense CUDA tensors only"]
-    if spec.dtype not in (torch.bfloat16, torch.float16):
-        return ["bfloat16 / float16 only"]
-    if spec.softcap > 0 or spec.alibi is not None or spec.dropout_p > 0 or spec.softmax_scale <= 0:
-        return ["no softcap, ALiBi or dropout; positive softmax scale"]
-    if spec.window_left >= 0 or (spec.window_right >= 0 and not spec.causal):
-        return ["no sliding window"]
-    if spec.causal and spec.seqlen_q != spec.seqlen_k:
-        return ["causal needs Sq == Sk"]
+    plain = feature_reasons(spec)
+    if plain:
+        return plain
     floor = min_keys(d, spec.causal) if length_floor else 0
     if floor is None:
         return [f"not at D={d}{' causal' if spec.causal else ''}: the Triton kernel measured as fast or faster "
