@@ -19,7 +19,6 @@ GPU mode, in order (a failing kernel is recorded and the probe goes on):
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import math
 import os
@@ -29,6 +28,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
@@ -121,19 +121,6 @@ def compile_only(variants) -> list:
 
 
 # ---------------------------------------------------------------------------------------------- GPU mode
-@contextlib.contextmanager
-def _env(name, value):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ[name]
-        else:
-            os.environ[name] = old
-
-
 def _reference(q, k, v, do, causal, scale, dtype):
     """Materialised attention in `dtype` with autograd -> (out, lse, dq, dk, dv); k / v of [B, S, Hkv, D]."""
     g = q.shape[2] // k.shape[2]
@@ -226,7 +213,7 @@ def bench(variants, dev, rep, deadline) -> list:
             return attn_bwd.backward(spec, do, q, k, v, out, lse2)
 
         def triton_full():
-            with _env("FLASHPORT_HOPPER_BWD", "0"):
+            with mock.patch.dict(os.environ, {"FLASHPORT_HOPPER_BWD": "0"}):
                 return attn_bwd.backward(spec, do, q, k, v, out, lse2)
 
         cases = [("flashport_hopper", hopper_full), ("flashport_triton", triton_full)]

@@ -28,6 +28,7 @@ import os
 import sys
 import time
 from pathlib import Path
+from unittest import mock
 
 import torch
 
@@ -44,19 +45,6 @@ SWITCH = "FLASHPORT_HOPPER_FWD"
 # two exact kernels differ by rounding, ~1e-3; lse is float32 either way); a variant off by more counts
 # as failed for --suggest whatever its speed.
 ATOL_OUT, ATOL_LSE = 2e-2, 1e-3
-
-
-@contextlib.contextmanager
-def _env(name: str, value: str):
-    old = os.environ.get(name)
-    os.environ[name] = value
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
 
 
 @contextlib.contextmanager
@@ -101,7 +89,7 @@ def make_fn(impl: str, shape, spec, q, k, v, tiles=None):
         return gluon
     if impl == "triton":
         def triton():
-            with _env(SWITCH, "0"):
+            with mock.patch.dict(os.environ, {SWITCH: "0"}):
                 out, lse, _ = attn_fwd.forward(spec, q, k, v)
             return out, lse
         return triton
