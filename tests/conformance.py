@@ -100,6 +100,21 @@ def _math(q, k, v, case: Case, slopes, compute_dtype):
                                   compute_dtype=compute_dtype)
 
 
+def served_calls(monkeypatch, module, name: str) -> list:
+    """Wrap module.name (a kernel entry that returns None when it declines at compile time and the
+    Triton kernels run instead) so that the spec of every call it actually served is recorded."""
+    calls = []
+    real = getattr(module, name)
+
+    def spy(*a, **kw):
+        result = real(*a, **kw)
+        if result is not None:
+            calls.append(a[0])
+        return result
+    monkeypatch.setattr(module, name, spy)
+    return calls
+
+
 def check_dense(backend: str, case: Case, device="cpu", grads=True, seed=0):
     """Output, LSE and (optionally) dq/dk/dv of `backend` under the tolerance rule."""
     q, k, v, do, slopes = make_inputs(case, device, seed)

@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs an sm_90 GPU")]
 
 import flashport  # noqa: E402
-from conformance import Case, check_dense, kwargs_of, make_inputs  # noqa: E402
+from conformance import Case, check_dense, kwargs_of, make_inputs, served_calls  # noqa: E402
 
 DEV = "cuda"
 
@@ -23,15 +23,7 @@ def served(monkeypatch):
     """Counts the backward calls the Hopper kernel served.  (Imported here, not at collection: importing
     the kernels before the interpreter tier sets TRITON_INTERPRET would compile them for every tier.)"""
     from flashport.kernels import attn_bwd_hopper
-    calls = []
-    real = attn_bwd_hopper.backward
-
-    def spy(*a, **kw):
-        result = real(*a, **kw)
-        if result is not None:          # None: it failed to compile and the Triton kernels ran instead
-            calls.append(a[0])
-        return result
-    monkeypatch.setattr(attn_bwd_hopper, "backward", spy)
+    calls = served_calls(monkeypatch, attn_bwd_hopper, "backward")
     if not attn_bwd_hopper.enabled():
         pytest.skip("Gluon unavailable")
     return calls

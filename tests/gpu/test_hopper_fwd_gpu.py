@@ -13,7 +13,7 @@ pytestmark = [pytest.mark.gpu,
                                  reason="needs an sm_90 GPU")]
 
 import flashport  # noqa: E402
-from conformance import Case, check_dense, kwargs_of, make_inputs  # noqa: E402
+from conformance import Case, check_dense, kwargs_of, make_inputs, served_calls  # noqa: E402
 
 DEV = "cuda"
 
@@ -26,15 +26,7 @@ def served(monkeypatch):
     # Short shapes keep the float64 reference cheap; the length floor is a speed choice (tested below).
     monkeypatch.setattr(attn_fwd_hopper, "MIN_KEYS", dict.fromkeys(attn_fwd_hopper.TILES, 0))
     monkeypatch.setattr(attn_fwd_hopper, "MIN_KEYS_CAUSAL", dict.fromkeys(attn_fwd_hopper.TILES, 0))
-    calls = []
-    real = attn_fwd_hopper.forward
-
-    def spy(*a, **kw):
-        result = real(*a, **kw)
-        if result is not None:          # None: it failed to compile and the Triton kernel ran instead
-            calls.append(a[0])
-        return result
-    monkeypatch.setattr(attn_fwd_hopper, "forward", spy)
+    calls = served_calls(monkeypatch, attn_fwd_hopper, "forward")
     if not attn_fwd_hopper.enabled():
         pytest.skip("Gluon unavailable")
     return calls
