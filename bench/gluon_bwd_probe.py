@@ -136,8 +136,12 @@ def _reference(q, k, v, do, causal, scale, dtype):
     return (out.transpose(1, 2).detach(), lse.detach(), dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2))
 
 
+FULL_CHECK = ("s2_pw", "s2_tma", "s2_tma2")   # candidates checked on every shape like the default (their barriers are new)
+
+
 def check(variants, dev) -> list:
-    """The default variant on every shape, the others on the first two (compiles dominate the probe's time)."""
+    """The default variant and FULL_CHECK on every shape, the others on the first two (compiles dominate the
+    probe's time)."""
     from flashport.kernels import attn_bwd_hopper
     rows = []
     shapes = [(2, 256, 4, 4, False, torch.bfloat16), (2, 512, 4, 2, True, torch.bfloat16),
@@ -156,7 +160,8 @@ def check(variants, dev) -> list:
         delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
         spec = _spec(q, k, causal)
         for name in variants:
-            if name != attn_bwd_hopper.DEFAULT and (b, s, hq, hkv, causal, dtype) not in shapes[:2]:
+            if (name != attn_bwd_hopper.DEFAULT and name not in FULL_CHECK
+                    and (b, s, hq, hkv, causal, dtype) not in shapes[:2]):
                 continue
             row = {"variant": name, "B": b, "S": s, "Hq": hq, "Hkv": hkv, "causal": causal,
                    "dtype": str(dtype).split(".")[-1]}
@@ -241,6 +246,11 @@ def bench(variants, dev, rep, deadline) -> list:
                 res = call()
                 if name in ("flashport_hopper", "flashport_triton"):
                     results[name] = res
+                elif name.startswith("kernel_") and "flashport_triton" in results:
+                    # each variant's gradients at this size too (many Q tiles per program: every barrier phase)
+                    row["rel_diff_vs_triton"] = {
+                        n: ((a.float() - r.float()).abs().max() / r.float().abs().max()).item()
+                        for n, a, r in zip(("dq", "dk", "dv"), res, results["flashport_triton"])}
                 ms = do_bench(call, warmup=10, rep=rep, return_mode="median")
                 row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
                 del res
@@ -248,8 +258,10 @@ def bench(variants, dev, rep, deadline) -> list:
                 row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
             rows.append(row)
             tf = f"{row['tflops']:7.1f}" if "tflops" in row else "      -"
-            print(f"time  {name:18} {head} ms={row.get('ms', float('nan')):8.3f} TFLOP/s={tf} {row.get('error', '')}",
-                  flush=True)
+            rd = " vs triton " + " ".join(f"{n}={d:.1e}" for n, d in row["rel_diff_vs_triton"].items()) \
+                if "rel_diff_vs_triton" in row else ""
+            print(f"time  {name:18} {head} ms={row.get('ms', float('nan')):8.3f} TFLOP/s={tf}{rd} "
+                  f"{row.get('error', '')}", flush=True)
         if len(results) == 2:
             diffs = {n: ((a.float() - r.float()).abs().max() / r.float().abs().max()).item()
                      for n, a, r in zip(("dq", "dk", "dv"), results["flashport_hopper"], results["flashport_triton"])}
@@ -272,7 +284,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a on CPU and report SASS stats")
     ap.add_argument("--variants", nargs="*", default=None,
                     help=f"subset of {list(attn_bwd_hopper.VARIANTS)}; default: all with --compile-only, else "
-                         f"{attn_bwd_hopper.DEFAULT} (the library's), s2_v2, s2_v4")
+                         f"{attn_bwd_hopper.DEFAULT} (the library's), s2_tma, s2_tma2, s2_pw, s2_v4")
     ap.add_argument("--budget", type=float, default=200, help="seconds after which per-variant timings are "
                     "skipped (the library path, Triton and SDPA rows always run)")
     ap.add_argument("--skip-check", action="store_true")
@@ -286,7 +298,7 @@ def main(argv=None) -> int:
         dev = torch.device("cuda")
         result["device"] = torch.cuda.get_device_name()
         t0 = time.time()
-        variants = args.variants or list(dict.fromkeys([attn_bwd_hopper.DEFAULT, "s2_v2", "s2_v4"]))
+        variants = args.variants or list(dict.fromkeys([attn_bwd_hopper.DEFAULT, "s2_tma", "s2_tma2", "s2_pw", "s2_v4"]))
         if not args.skip_check:
             result["check"] = check(variants, dev)
         result["bench"] = bench(variants, dev, args.rep, t0 + args.budget)

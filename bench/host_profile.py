@@ -35,12 +35,23 @@ def calls(device):
     kp, vp = kc.view(2048, 16, 8, 128), vc.view(2048, 16, 8, 128)
     table = torch.arange(2048, device=device, dtype=torch.int32).view(1, 2048)
     qs, ks, vs = (torch.randn(4, 1024, 16, 64, device=device, dtype=dt, generator=g) for _ in range(3))
+    # D = 128: served by the Gluon Hopper forward / backward on an H100 / H200 (the standard set's short cells)
+    qh, kh, vh = (torch.randn(4, 1024, 16, 128, device=device, dtype=dt, generator=g).requires_grad_()
+                  for _ in range(3))
+    dout = torch.randn_like(qh)
+
+    def train_step():
+        out = flashport.attention(qh, kh, vh, causal=True, backend="triton")
+        return torch.autograd.grad(out, (qh, kh, vh), dout)
     return {
         "decode dense 1x32768": lambda: flashport.attention_with_kvcache(q, kc, vc, cache_seqlens=lens,
                                                                          backend="triton"),
         "decode page16 1x32768": lambda: flashport.attention_with_kvcache(q, kp, vp, cache_seqlens=lens,
                                                                           block_table=table, backend="triton"),
         "attention fwd 4x1024 h16 d64 causal": lambda: flashport.attention(qs, ks, vs, causal=True, backend="triton"),
+        "attention fwd 4x1024 h16 d128 causal": lambda: flashport.attention(qh.detach(), kh.detach(), vh.detach(),
+                                                                           causal=True, backend="triton"),
+        "attention fwd+bwd 4x1024 h16 d128 causal": train_step,
     }
 
 
@@ -48,11 +59,14 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--calls", type=int, default=300)
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--only", default="", help="profile only the calls whose name contains this")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
         sys.exit("needs CUDA")
     device = torch.device("cuda", torch.cuda.current_device())
     for name, fn in calls(device).items():
+        if args.only not in name:
+            continue
         for _ in range(20):
             fn()
         torch.cuda.synchronize()

@@ -46,8 +46,10 @@ from .attn_fwd_hopper import _capability, _descriptor, feature_reasons  # shared
 try:  # Gluon ships with recent Triton; without it (or another version: TESTED_TRITON) this path declines
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language._core import builtin
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
+    from triton._C.libtriton import ir
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -59,15 +61,21 @@ BLOCK_M = 64           # query rows per Q tile (the ring's unit)
 BLOCK_N = 128          # K/V rows per program: 64 per consumer warpgroup
 WG_N = BLOCK_N // 2
 CONSUMER_REGS = 240    # setmaxnreg for the consumer warpgroups (FA3's choice at D = 128)
-# (STAGES, ATOMIC_VEC, PEEL): ring depth of Q / dO; contiguous fp32 per thread per dQ atomic (2: straight
+# (STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS): ring depth of Q / dO; contiguous fp32 per thread per dQ atomic (2: straight
 # from the wgmma accumulator layout; 4: after a layout conversion through shared memory); causal: the two
 # diagonal Q tiles in a loop of their own (masking code only there) or masked behind a run-time branch in
 # the one loop body.  ptxas spills a few values in every variant (bench/gluon_bwd_probe.py --compile-only
 # reports them per loop).  DEFAULT is the fastest in the probe's H200 run (results/gluon_bwd_probe_h200.json):
 # s2_v4 led in 4 of 5 cells (e.g. causal S=16384 397 vs 379 TF/s for s2_v4_peel and 376 for s2_v2), and
 # s2_v4_peel by 1.5% in the fifth (non-causal S=16384, 412 vs 406).
-VARIANTS = {"s2_v2": (2, 2, False), "s2_v2_peel": (2, 2, True), "s3_v2": (3, 2, False), "s2_v4": (2, 4, False),
-            "s2_v4_peel": (2, 4, True)}
+# DQ_MODE says who adds dQ_j to dq_accum: 0 the consumer warpgroups (REDG.ADD straight from registers);
+# 1 the producer warps (FA3's dQ writer) with REDG.ADD, reading dQ_j back from a shared buffer the consumers
+# filled; 2 the producer with one TMA bulk reduce-add per warpgroup half (cp.reduce.async.bulk.tensor: the copy
+# engine does the adds, no thread issues them).  The handshake of modes 1 and 2: _drain_dq.
+# DQ_BUFS: dQ_j buffers in shared memory for modes 1 / 2 (2: the consumers store dQ_j while dQ_{j-1} drains).
+VARIANTS = {"s2_v2": (2, 2, False, 0, 1), "s2_v2_peel": (2, 2, True, 0, 1), "s3_v2": (3, 2, False, 0, 1),
+            "s2_v4": (2, 4, False, 0, 1), "s2_v4_peel": (2, 4, True, 0, 1), "s2_pw": (2, 4, False, 1, 1),
+            "s2_tma": (2, 4, False, 2, 1), "s2_tma2": (2, 4, False, 2, 2)}
 DEFAULT = "s2_v4"
 
 
@@ -107,6 +115,15 @@ def reasons(spec, q, k, v, do, out=None) -> list[str]:
 
 
 if gluon is not None:
+    @builtin
+    def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
+        """global[tile at coord] += src (shared): TMA's bulk reduce-add.  Triton 3.6 has the op (tl's
+        descriptor atomic_add lowers to it) and Gluon's builder makes it, but Gluon's tma module does not
+        export it yet."""
+        coord = _semantic._convert_to_ir_values(coord, require_i64=False)
+        _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
+                                                  src.handle)
+
     _HEAD_DIM, _BLOCK_M, _BLOCK_N = gl.constexpr(HEAD_DIM), gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
     _WG_N, _CONSUMER_REGS = gl.constexpr(WG_N), gl.constexpr(CONSUMER_REGS)
 
@@ -119,10 +136,57 @@ if gluon is not None:
         return j0, seqlen_q // _BLOCK_M - j0
 
     @gluon.jit
+    def _drain_dq(t, j0, dq_smem, dq_bars, dq_row, dq_desc, h, q_row0, HEADS_Q: gl.constexpr, DQ_MODE: gl.constexpr,
+                  DQ_BUFS: gl.constexpr):
+        """DQ_MODE 1 / 2: dq_accum[Q tile j0 + t] += dQ_t from buffer u = t % DQ_BUFS (both warpgroups'
+        halves), then the buffer is free.
+
+        Handshake (buffer u filled by Q tiles t = u, u + DQ_BUFS, ..., its n-th fill being tile u + n DQ_BUFS):
+          dq_full[u]  (dq_bars[u], count 2): each consumer warpgroup arrives once per fill after storing its
+                      half of dQ_t; fill n is awaited here with parity n & 1;
+          dq_empty[u] (dq_bars[DQ_BUFS + u], count 1): this partition arrives once per fill after dQ_t was
+                      read out of the buffer; a consumer waits for fill n - 1's completion (parity (n & 1) ^ 1;
+                      for n = 0 the fresh barrier's parity 1 counts as completed) before storing fill n.
+        No parity aliases: dq_full[u] cannot complete fill n + 1 before dq_empty[u] completed fill n (both
+        halves wait for it), which needs this wait; dq_empty[u] cannot complete fill n before both halves of
+        fill n were stored, which is after the consumers' wait for fill n - 1.  Every tile is drained exactly
+        once (the producer loop drains t = i - STAGES, its epilogue the last min(STAGES, n) tiles), so the
+        producer never exits with a store unread and the consumers never wait for a drain that does not come."""
+        u = t % DQ_BUFS
+        mbarrier.wait(dq_bars.index(u), (t // DQ_BUFS) & 1)
+        if DQ_MODE == 2:
+            # dq_smem [2 DQ_BUFS, 64, 64]: warpgroup WG's half of buffer u (index 2 u + WG) goes to columns
+            # [64 WG, 64 WG + 64) of head h.  The consumers fenced their stores for the async proxy;
+            # store_wait(0) returns once the copy engine has read both halves (not once the adds landed: only
+            # the kernel's end orders those, and nothing reads dq_accum before it).
+            row = q_row0 + t * _BLOCK_M
+            _tma_reduce_add(dq_desc, [row, h * _HEAD_DIM], dq_smem.index(2 * u))
+            _tma_reduce_add(dq_desc, [row, h * _HEAD_DIM + _HEAD_DIM // 2], dq_smem.index(2 * u + 1))
+            tma.store_wait(0)
+        else:
+            # 8 rows x 128 columns per chunk: a warp reads / adds one row of 128 contiguous floats (512 B, 4
+            # per thread: LDS.128 and REDG.E.ADD.F32x4); 2 vectors per thread at a time, because the producer
+            # partition runs on the 24 registers setmaxnreg leaves it next to two 240-register consumers.
+            CHUNK: gl.constexpr = 8
+            layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
+            row_stride: gl.constexpr = HEADS_Q * _HEAD_DIM
+            rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
+            cols = gl.arange(0, _HEAD_DIM, layout=gl.SliceLayout(0, layout))
+            offs = rows[:, None] * row_stride + cols[None, :]
+            tile = dq_row + (j0 + t).to(gl.int64) * (_BLOCK_M * row_stride)
+            for c in gl.static_range(_BLOCK_M // CHUNK):
+                x = dq_smem.slice(c * CHUNK, CHUNK).load(layout)
+                gl.atomic_add(tile + (offs + c * CHUNK * row_stride), x, sem="relaxed")
+        mbarrier.arrive(dq_bars.index(DQ_BUFS + u), count=1)   # (after a barrier of this partition)
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, do_ready,
-                  qdo_empty, seqlen_q, seqlen_k, group, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr,
-                  STAGES: gl.constexpr):
-        """TMA issue: K and V once, then Q_j / dO_j into stage i % STAGES once both consumers freed it."""
+                  qdo_empty, dq_smem, dq_bars, dq_ptr, dq_desc, seqlen_q, seqlen_k, group, HEADS_Q: gl.constexpr,
+                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr):
+        """TMA issue: K and V once, then Q_j / dO_j into stage i % STAGES once both consumers freed it.
+        DQ_MODE 1 / 2: also dQ_j's adds (_drain_dq), for tile i - STAGES right after issuing tile i: the
+        qdo_empty wait just passed says the consumers are done with tile i - STAGES, so its dQ is (about to
+        be) in dq_smem, and the next loads are issued without waiting for the drain of the previous tile."""
         pid_bh = gl.program_id(1)
         b = pid_bh // HEADS_Q
         h = pid_bh % HEADS_Q
@@ -132,6 +196,7 @@ if gluon is not None:
         tma.async_copy_global_to_shared(v_desc, [kv_row, (h // group) * _HEAD_DIM], kv_ready, v_smem)
         j0, n_iter = _q_tiles(seqlen_q, CAUSAL)
         q_row = b * seqlen_q + j0 * _BLOCK_M
+        dq_row = dq_ptr + (b.to(gl.int64) * seqlen_q * HEADS_Q + h) * _HEAD_DIM     # dq_accum[b, 0, h, 0]
         for i in range(n_iter):
             s = i % STAGES
             # First lap: a fresh barrier's parity 1 counts as completed, so the ring starts empty.
@@ -142,12 +207,21 @@ if gluon is not None:
             mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [q_row + i * _BLOCK_M, h * _HEAD_DIM], do_ready.index(s),
                                             do_smem.index(s))
+            if DQ_MODE != 0:
+                if i >= STAGES:
+                    _drain_dq(i - STAGES, j0, dq_smem, dq_bars, dq_row, dq_desc, h, q_row, HEADS_Q, DQ_MODE,
+                              DQ_BUFS)
+        if DQ_MODE != 0:   # the last min(STAGES, n_iter) tiles, in order
+            for t in range(gl.maximum(n_iter - STAGES, 0), n_iter):
+                _drain_dq(t, j0, dq_smem, dq_bars, dq_row, dq_desc, h, q_row, HEADS_Q, DQ_MODE, DQ_BUFS)
 
     @gluon.jit
     def _step(i, j, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
-              lse_row, delta_row, dq_row, kv_rows, qk_scale, sm_scale, WG: gl.constexpr, HEADS_Q: gl.constexpr,
-              STAGES: gl.constexpr, ATOMIC_VEC: gl.constexpr, MASK: gl.constexpr):
-        """Q tile j (the i-th of this program): dK, dV updated, dQ_j's share added to dq_accum."""
+              dq_smem, dq_bars, lse_row, delta_row, dq_row, kv_rows, qk_scale, sm_scale, WG: gl.constexpr,
+              HEADS_Q: gl.constexpr, STAGES: gl.constexpr, ATOMIC_VEC: gl.constexpr, MASK: gl.constexpr,
+              DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr):
+        """Q tile j (the i-th of this program): dK, dV updated, dQ_j's share added to dq_accum (DQ_MODE 1 / 2:
+        handed to the producer through dq_smem instead)."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_M, 16])
@@ -203,6 +277,16 @@ if gluon is not None:
         dk, dq = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok])
         mbarrier.arrive(qdo_empty.index(s), count=1)              # Q_j, dO_j no longer read by this warpgroup
 
+        if DQ_MODE != 0:   # this warpgroup's half of dQ_j into dq_smem; the protocol is in _drain_dq's docstring
+            u = i % DQ_BUFS
+            mbarrier.wait(dq_bars.index(DQ_BUFS + u), ((i // DQ_BUFS) & 1) ^ 1)   # buffer u's previous tile drained
+            if DQ_MODE == 2:
+                dq_smem.index(2 * u + WG).store(dq)
+                fence_async_shared()                              # generic-proxy stores -> the TMA's reads
+            else:
+                dq_smem.slice(WG * (_HEAD_DIM // 2), _HEAD_DIM // 2, dim=1).store(dq)
+            mbarrier.arrive(dq_bars.index(u), count=1)            # (after a barrier of this warpgroup)
+            return dk, dv
         # dq_accum[row, 64 WG + c] += dq[row, c]  (relaxed: only the final sums matter)
         if ATOMIC_VEC == 4:
             a_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
@@ -220,9 +304,9 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
-                  lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
-                  WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                  ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr):
+                  dq_smem, dq_bars, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale,
+                  sm_scale, WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                  ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr):
         """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, 128]."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, _HEAD_DIM, 16])
@@ -248,13 +332,14 @@ if gluon is not None:
         if CAUSAL and PEEL:  # the two Q tiles on the diagonal carry the mask; every later one is fully visible
             for i in range(2):   # a loop of its own (not unrolled): one copy of the masked step
                 dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
-                               qdo_empty, ds_ready, lse_row, delta_row, dq_row, kv_rows, qk_scale,
-                               sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 1)
+                               qdo_empty, ds_ready, dq_smem, dq_bars, lse_row, delta_row, dq_row, kv_rows,
+                               qk_scale, sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 1, DQ_MODE, DQ_BUFS)
             i0 = 2
         for i in range(i0, n_iter):
             dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
-                           qdo_empty, ds_ready, lse_row, delta_row, dq_row, kv_rows, qk_scale, sm_scale,
-                           WG, HEADS_Q, STAGES, ATOMIC_VEC, 2 if CAUSAL and not PEEL else 0)
+                           qdo_empty, ds_ready, dq_smem, dq_bars, lse_row, delta_row, dq_row, kv_rows, qk_scale,
+                           sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 2 if CAUSAL and not PEEL else 0, DQ_MODE,
+                           DQ_BUFS)
 
         # Epilogue: dK, dV rows of query head h into [B, Sk, Hq, D]: dk / dv themselves without GQA, else
         # float32 partials.  One int64 scalar plus int32 per-thread offsets that fold into immediates.
@@ -267,10 +352,10 @@ if gluon is not None:
         gl.store(dv_ptr + tile + offs, dv.to(dv_ptr.dtype.element_ty))
 
     @gluon.jit
-    def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q,
-                         seqlen_k, group, qk_scale, sm_scale, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr,
-                         STAGES: gl.constexpr,
-                         ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr):
+    def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
+                         seqlen_q, seqlen_k, group, qk_scale, sm_scale, HEADS_Q: gl.constexpr,
+                         CAUSAL: gl.constexpr, STAGES: gl.constexpr, ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr,
+                         DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, _HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, _HEAD_DIM], v_desc.layout)
@@ -290,16 +375,31 @@ if gluon is not None:
             mbarrier.init(qdo_empty.index(i), count=2)   # one arrive per consumer warpgroup
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)    # both halves of dS^T written
+        if DQ_MODE == 2:  # dQ_j [64, 128] float32 as two [64, 64] halves in TMA's layout (the dq_accum descriptor's)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS, _BLOCK_M, _HEAD_DIM // 2], dq_desc.layout)
+        elif DQ_MODE == 1:  # dQ_j [64, 128] float32 for the producer's atomics (the handshake: _drain_dq)
+            # 32-byte groups XOR-swizzled by row % 4: a half-warp's 8-byte accumulator stores (4 rows x 32 bytes)
+            # hit 4 different bank octets, and the producer's 16-byte reads stay contiguous: no bank conflicts
+            # either side.  (Unswizzled: 4-way conflicts on the stores; padded rows: the producer spills.)
+            dq_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
+            dq_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, _HEAD_DIM], dq_layout)
+        else:             # not used: a stand-in for the argument (no shared memory spent)
+            dq_smem = ds_smem
+        dq_bars = gl.allocate_shared_memory(gl.int64, [2 * DQ_BUFS, 1], mbarrier.MBarrierLayout())
+        for u in gl.static_range(DQ_BUFS):
+            mbarrier.init(dq_bars.index(u), count=2)             # dq_full[u]: one arrive per consumer warpgroup
+            mbarrier.init(dq_bars.index(DQ_BUFS + u), count=1)   # dq_empty[u]: the producer drained buffer u
         # Argument tuples are written inline: bound to a local first, their constexprs turn into tensors.
         gl.warp_specialize([
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready,
-                         do_ready, qdo_empty, seqlen_q, seqlen_k, group, HEADS_Q, CAUSAL, STAGES)),
+                         do_ready, qdo_empty, dq_smem, dq_bars, dq_ptr, dq_desc, seqlen_q, seqlen_k, group, HEADS_Q,
+                         CAUSAL, STAGES, DQ_MODE, DQ_BUFS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
-                         lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
-                         0, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL)),
+                         dq_smem, dq_bars, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k,
+                         qk_scale, sm_scale, 0, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
-                         lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
-                         1, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL)),
+                         dq_smem, dq_bars, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k,
+                         qk_scale, sm_scale, 1, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS)),
         ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
 
 
@@ -316,7 +416,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     when given (contiguous, q's / k's / v's dtype).  None when the kernel fails to compile here (the
     caller then runs the Triton kernels).  `out` is unused (Delta carries it).  warmup=True compiles
     without launching and returns the compiled kernel (bench/gluon_bwd_probe.py)."""
-    stages, vec, peel = VARIANTS[variant]
+    stages, vec, peel, dq_mode, dq_bufs = VARIANTS[variant]
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     group = spec.group_size
@@ -329,10 +429,12 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
         dk_out = dk if dk is not None else torch.empty_like(k)
         dv_out = dv if dv is not None else torch.empty_like(v)
     grid = (sk // BLOCK_N, b * hq)
+    # dq_accum's descriptor: [64, 64] float32 boxes (one warpgroup's half of dQ_j), for DQ_MODE 2's reduce-adds.
     args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
-            lse2, delta, dq_accum, dk_out, dv_out, sq, sk, group, spec.softmax_scale * LOG2E, spec.softmax_scale)
+            _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dq_accum, dk_out, dv_out, sq, sk, group, spec.softmax_scale * LOG2E, spec.softmax_scale)
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and causal.
-    meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, STAGES=stages, ATOMIC_VEC=vec, PEEL=peel, num_warps=4)
+    meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, STAGES=stages, ATOMIC_VEC=vec, PEEL=peel, DQ_MODE=dq_mode,
+                DQ_BUFS=dq_bufs, num_warps=4)
     if warmup:
         return _attn_bwd_hopper.warmup(*args, grid=grid, **meta)
     key = (q.dtype, spec.causal, q.device)

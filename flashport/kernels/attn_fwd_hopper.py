@@ -355,17 +355,21 @@ if gluon is not None:
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
 
+_GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
+
+
 @functools.lru_cache(maxsize=None)
-def _smem_layout(rows: int, d: int, dtype: torch.dtype):
+def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
     # Built once per tile shape: constructing it costs ~6 us of host time, four times per call.
-    return gl.NVMMASharedLayout.get_default_for([rows, d], gl.bfloat16 if dtype == torch.bfloat16 else gl.float16)
+    return gl.NVMMASharedLayout.get_default_for([rows, cols], getattr(gl, _GL_DTYPES[dtype]))
 
 
-def _descriptor(t: torch.Tensor, rows: int) -> "TensorDescriptor":
+def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> "TensorDescriptor":
     """TMA descriptor over the 2D view [B * S, H * D] of a contiguous [B, S, H, D] tensor: a [rows, D]
-    block at (b * S + n, h * D) is one head's tile (the backward's too)."""
+    block at (b * S + n, h * D) is one head's tile (the backward's too); cols < D: a part of a head's row."""
     b, s, h, d = t.shape
-    return TensorDescriptor.from_tensor(t.view(b * s, h * d), [rows, d], _smem_layout(rows, d, t.dtype))
+    cols = d if cols is None else cols
+    return TensorDescriptor.from_tensor(t.view(b * s, h * d), [rows, cols], _smem_layout(rows, cols, t.dtype))
 
 
 # Compiled variants (dtype, head dim, causal, device) and the ones whose compilation failed, with the

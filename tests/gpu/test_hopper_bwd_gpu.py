@@ -47,6 +47,24 @@ def test_served_calls_conform(case, dtype, served):
     assert served, "the Hopper backward did not serve this call"
 
 
+# Candidate variants (attn_bwd_hopper.VARIANTS, not the library's DEFAULT) whose synchronisation differs from
+# it: s2_pw, s2_tma and s2_tma2 hand dQ to the producer through shared memory (two more mbarriers).  Programs with 2 Q tiles
+# (causal, last K/V tile; one-tile case), many tiles (Sq > Sk, 8-tile causal MQA) and GQA.
+CANDIDATES = ["s2_pw", "s2_tma", "s2_tma2"]
+CANDIDATE_CASES = [SERVED[1], SERVED[2], SERVED[4], SERVED[5], SERVED[6]]
+
+
+@pytest.mark.parametrize("variant", CANDIDATES)
+@pytest.mark.parametrize("case", CANDIDATE_CASES, ids=str)
+def test_candidate_variants_conform(case, variant, served, monkeypatch):
+    from flashport.kernels import attn_bwd_hopper
+    spy = attn_bwd_hopper.backward                  # the served fixture's counting wrapper
+    monkeypatch.setattr(attn_bwd_hopper, "backward", lambda *a, **kw: spy(*a, **kw, variant=variant))
+    dtype = torch.float16 if case.causal and case.hkv == 1 else torch.bfloat16
+    check_dense("triton", case.replace(dtype=dtype), DEV, grads=True)
+    assert served, f"the Hopper backward ({variant}) did not serve this call"
+
+
 DECLINED = [
     Case(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, causal=True, deterministic=True),   # atomics: never
     Case(b=1, sq=200, sk=256, hq=2, hkv=2, d=128),                   # not a multiple of 128
