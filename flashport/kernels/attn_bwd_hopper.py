@@ -61,22 +61,29 @@ BLOCK_M = 64           # query rows per Q tile (the ring's unit)
 BLOCK_N = 128          # K/V rows per program: 64 per consumer warpgroup
 WG_N = BLOCK_N // 2
 CONSUMER_REGS = 240    # setmaxnreg for the consumer warpgroups (FA3's choice at D = 128)
-# (STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS): ring depth of Q / dO; contiguous fp32 per thread per dQ atomic (2: straight
-# from the wgmma accumulator layout; 4: after a layout conversion through shared memory); causal: the two
-# diagonal Q tiles in a loop of their own (masking code only there) or masked behind a run-time branch in
-# the one loop body.  ptxas spills a few values in every variant (bench/gluon_bwd_probe.py --compile-only
-# reports them per loop).  DEFAULT is the fastest in the probe's H200 run (results/gluon_bwd_probe_h200.json):
-# s2_v4 led in 4 of 5 cells (e.g. causal S=16384 397 vs 379 TF/s for s2_v4_peel and 376 for s2_v2), and
-# s2_v4_peel by 1.5% in the fifth (non-causal S=16384, 412 vs 406).
-# DQ_MODE says who adds dQ_j to dq_accum: 0 the consumer warpgroups (REDG.ADD straight from registers);
-# 1 the producer warps (FA3's dQ writer) with REDG.ADD, reading dQ_j back from a shared buffer the consumers
-# filled; 2 the producer with one TMA bulk reduce-add per warpgroup half (cp.reduce.async.bulk.tensor: the copy
-# engine does the adds, no thread issues them).  The handshake of modes 1 and 2: _drain_dq.
-# DQ_BUFS: dQ_j buffers in shared memory for modes 1 / 2 (2: the consumers store dQ_j while dQ_{j-1} drains).
-VARIANTS = {"s2_v2": (2, 2, False, 0, 1), "s2_v2_peel": (2, 2, True, 0, 1), "s3_v2": (3, 2, False, 0, 1),
-            "s2_v4": (2, 4, False, 0, 1), "s2_v4_peel": (2, 4, True, 0, 1), "s2_pw": (2, 4, False, 1, 1),
-            "s2_tma": (2, 4, False, 2, 1), "s2_tma2": (2, 4, False, 2, 2)}
-DEFAULT = "s2_v4"
+# Variants: (STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS, PREFETCH).
+#   STAGES: ring depth of Q / dO.
+#   ATOMIC_VEC (DQ_MODE 0): contiguous fp32 per thread per dQ atomic (2: straight from the wgmma accumulator
+#       layout; 4: after a layout conversion through shared memory).
+#   PEEL (causal): the two diagonal Q tiles in a loop of their own (masking code only there), or masked behind
+#       a run-time branch in the one loop body.
+#   DQ_MODE: who adds dQ_j to dq_accum.  0: the consumer warpgroups (REDG.ADD straight from registers);
+#       1: the producer warps (FA3's dQ writer) with REDG.ADD, reading dQ_j back from a shared buffer the
+#       consumers filled; 2: the producer, with one TMA bulk reduce-add per warpgroup half
+#       (cp.reduce.async.bulk.tensor: the copy engine does the adds, no thread issues them).  The handshake of
+#       modes 1 and 2: _drain_dq.
+#   DQ_BUFS: dQ_j buffers in shared memory for modes 1 / 2 (2: the consumers store dQ_j while dQ_{j-1} drains).
+#   PREFETCH: each step loads the next Q tile's lse2 / Delta rows (a step ahead of their use).
+# ptxas spills a few values in every bf16 variant (bench/gluon_bwd_probe.py --compile-only reports them per
+# loop).  DEFAULT is the fastest in the probe's H200 runs (results/gluon_bwd_probe_h200*.json, PERFLOG rows 19
+# and 20): s2_v4 led the DQ_MODE 0 variants; s2_tma then beat it by 14-17% in all five cells (e.g.
+# non-causal S=16384 481 vs 413 TF/s, causal 464 vs 407, Llama GQA causal 8192 428 vs 364).
+VARIANTS = {"s2_v2": (2, 2, False, 0, 1, False), "s2_v2_peel": (2, 2, True, 0, 1, False),
+            "s3_v2": (3, 2, False, 0, 1, False), "s2_v4": (2, 4, False, 0, 1, False),
+            "s2_v4_peel": (2, 4, True, 0, 1, False), "s2_pw": (2, 4, False, 1, 1, False),
+            "s2_tma": (2, 4, False, 2, 1, False), "s2_tma2": (2, 4, False, 2, 2, False),
+            "s2_tma_pf": (2, 4, False, 2, 1, True), "s2_tma2_pf": (2, 4, False, 2, 2, True)}
+DEFAULT = "s2_tma"
 
 
 def enabled() -> bool:
@@ -217,11 +224,13 @@ if gluon is not None:
 
     @gluon.jit
     def _step(i, j, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
-              dq_smem, dq_bars, lse_row, delta_row, dq_row, kv_rows, qk_scale, sm_scale, WG: gl.constexpr,
-              HEADS_Q: gl.constexpr, STAGES: gl.constexpr, ATOMIC_VEC: gl.constexpr, MASK: gl.constexpr,
-              DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr):
+              dq_smem, dq_bars, lse_row, delta_row, lse2_c, delta_c, seqlen_q, dq_row, kv_rows, qk_scale,
+              sm_scale, WG: gl.constexpr, HEADS_Q: gl.constexpr, STAGES: gl.constexpr, ATOMIC_VEC: gl.constexpr,
+              MASK: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr, PREFETCH: gl.constexpr):
         """Q tile j (the i-th of this program): dK, dV updated, dQ_j's share added to dq_accum (DQ_MODE 1 / 2:
-        handed to the producer through dq_smem instead)."""
+        handed to the producer through dq_smem instead).  PREFETCH: lse2_c / delta_c are tile j's rows
+        (loaded by the previous step) and tile j + 1's are loaded here, a whole step before they are used;
+        returns (dk, dv, lse2 rows, Delta rows) for the next step."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_M, 16])
@@ -234,10 +243,19 @@ if gluon is not None:
         # lse2_j / Delta_j are loaded compactly (one float per thread) and spread to the column layout of
         # S^T (16 floats per thread) only where used: they would otherwise hold 32 registers across the
         # matmuls, where this warpgroup peaks at 240.
+        # PREFETCH: the loads of tile j + 1's rows are in flight during this whole step (past the last tile:
+        # masked off).  Otherwise tile j's are loaded here, and their latency is exposed at the S^T wait.
         vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        q_rows = j * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
-        lse2_c = gl.load(lse_row + q_rows)
-        delta_c = gl.load(delta_row + q_rows)
+        if PREFETCH:
+            nxt = (j + 1) * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
+            lse2_n = gl.load(lse_row + nxt, mask=nxt < seqlen_q, other=0.0)
+            delta_n = gl.load(delta_row + nxt, mask=nxt < seqlen_q, other=0.0)
+        else:
+            q_rows = j * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
+            lse2_c = gl.load(lse_row + q_rows)
+            delta_c = gl.load(delta_row + q_rows)
+            lse2_n = lse2_c
+            delta_n = delta_c
         zero = gl.zeros([_WG_N, _BLOCK_M], gl.float32, s_layout)
 
         mbarrier.wait(q_ready.index(s), (i // STAGES) & 1)
@@ -286,7 +304,7 @@ if gluon is not None:
             else:
                 dq_smem.slice(WG * (_HEAD_DIM // 2), _HEAD_DIM // 2, dim=1).store(dq)
             mbarrier.arrive(dq_bars.index(u), count=1)            # (after a barrier of this warpgroup)
-            return dk, dv
+            return dk, dv, lse2_n, delta_n
         # dq_accum[row, 64 WG + c] += dq[row, c]  (relaxed: only the final sums matter)
         if ATOMIC_VEC == 4:
             a_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
@@ -300,13 +318,14 @@ if gluon is not None:
         rows = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, a_layout))
         dcols = WG * (_HEAD_DIM // 2) + gl.arange(0, _HEAD_DIM // 2, layout=gl.SliceLayout(0, a_layout))
         gl.atomic_add(dq_tile + (rows[:, None] * row_stride + dcols[None, :]), dq, sem="relaxed")
-        return dk, dv
+        return dk, dv, lse2_n, delta_n
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                   dq_smem, dq_bars, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale,
                   sm_scale, WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                  ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr):
+                  ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr,
+                  PREFETCH: gl.constexpr):
         """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, 128]."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, _HEAD_DIM, 16])
@@ -327,19 +346,24 @@ if gluon is not None:
         dk = gl.zeros([_WG_N, _HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([_WG_N, _HEAD_DIM], gl.float32, acc_layout)
         j0, n_iter = _q_tiles(seqlen_q, CAUSAL)
+        first = j0 * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
+        lse2_c = gl.load(lse_row + first)       # the first Q tile's rows (PREFETCH; unused otherwise)
+        delta_c = gl.load(delta_row + first)
         mbarrier.wait(kv_ready, 0)
         i0 = 0
         if CAUSAL and PEEL:  # the two Q tiles on the diagonal carry the mask; every later one is fully visible
             for i in range(2):   # a loop of its own (not unrolled): one copy of the masked step
-                dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
-                               qdo_empty, ds_ready, dq_smem, dq_bars, lse_row, delta_row, dq_row, kv_rows,
-                               qk_scale, sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 1, DQ_MODE, DQ_BUFS)
+                dk, dv, lse2_c, delta_c = _step(
+                    i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty,
+                    ds_ready, dq_smem, dq_bars, lse_row, delta_row, lse2_c, delta_c, seqlen_q, dq_row, kv_rows,
+                    qk_scale, sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 1, DQ_MODE, DQ_BUFS, PREFETCH)
             i0 = 2
         for i in range(i0, n_iter):
-            dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
-                           qdo_empty, ds_ready, dq_smem, dq_bars, lse_row, delta_row, dq_row, kv_rows, qk_scale,
-                           sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 2 if CAUSAL and not PEEL else 0, DQ_MODE,
-                           DQ_BUFS)
+            dk, dv, lse2_c, delta_c = _step(
+                i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty,
+                ds_ready, dq_smem, dq_bars, lse_row, delta_row, lse2_c, delta_c, seqlen_q, dq_row, kv_rows,
+                qk_scale, sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 2 if CAUSAL and not PEEL else 0, DQ_MODE,
+                DQ_BUFS, PREFETCH)
 
         # Epilogue: dK, dV rows of query head h into [B, Sk, Hq, D]: dk / dv themselves without GQA, else
         # float32 partials.  One int64 scalar plus int32 per-thread offsets that fold into immediates.
@@ -355,7 +379,7 @@ if gluon is not None:
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
                          seqlen_q, seqlen_k, group, qk_scale, sm_scale, HEADS_Q: gl.constexpr,
                          CAUSAL: gl.constexpr, STAGES: gl.constexpr, ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr,
-                         DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr):
+                         DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr, PREFETCH: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, _HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, _HEAD_DIM], v_desc.layout)
@@ -396,10 +420,12 @@ if gluon is not None:
                          CAUSAL, STAGES, DQ_MODE, DQ_BUFS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                          dq_smem, dq_bars, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k,
-                         qk_scale, sm_scale, 0, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS)),
+                         qk_scale, sm_scale, 0, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS,
+                         PREFETCH)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                          dq_smem, dq_bars, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k,
-                         qk_scale, sm_scale, 1, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS)),
+                         qk_scale, sm_scale, 1, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS,
+                         PREFETCH)),
         ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
 
 
@@ -416,7 +442,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     when given (contiguous, q's / k's / v's dtype).  None when the kernel fails to compile here (the
     caller then runs the Triton kernels).  `out` is unused (Delta carries it).  warmup=True compiles
     without launching and returns the compiled kernel (bench/gluon_bwd_probe.py)."""
-    stages, vec, peel, dq_mode, dq_bufs = VARIANTS[variant]
+    stages, vec, peel, dq_mode, dq_bufs, prefetch = VARIANTS[variant]
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     group = spec.group_size
@@ -434,7 +460,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
             _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dq_accum, dk_out, dv_out, sq, sk, group, spec.softmax_scale * LOG2E, spec.softmax_scale)
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and causal.
     meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, STAGES=stages, ATOMIC_VEC=vec, PEEL=peel, DQ_MODE=dq_mode,
-                DQ_BUFS=dq_bufs, num_warps=4)
+                DQ_BUFS=dq_bufs, PREFETCH=prefetch, num_warps=4)
     if warmup:
         return _attn_bwd_hopper.warmup(*args, grid=grid, **meta)
     key = (q.dtype, spec.causal, q.device)

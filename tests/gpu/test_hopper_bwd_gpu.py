@@ -47,10 +47,11 @@ def test_served_calls_conform(case, dtype, served):
     assert served, "the Hopper backward did not serve this call"
 
 
-# Candidate variants (attn_bwd_hopper.VARIANTS, not the library's DEFAULT) whose synchronisation differs from
-# it: s2_pw, s2_tma and s2_tma2 hand dQ to the producer through shared memory (two more mbarriers).  Programs with 2 Q tiles
-# (causal, last K/V tile; one-tile case), many tiles (Sq > Sk, 8-tile causal MQA) and GQA.
-CANDIDATES = ["s2_pw", "s2_tma", "s2_tma2"]
+# Candidate variants (attn_bwd_hopper.VARIANTS, not the library's DEFAULT) whose synchronisation or loads
+# differ from it: two dQ buffers (s2_tma2), lse / Delta prefetched a step ahead (_pf), dQ atomics issued by
+# the consumers (s2_v4, the previous default).  Programs with 2 Q tiles (causal, last K/V tile; one-tile
+# case), many tiles (Sq > Sk, 8-tile causal MQA) and GQA.
+CANDIDATES = ["s2_tma2", "s2_tma_pf", "s2_tma2_pf", "s2_v4"]
 CANDIDATE_CASES = [SERVED[1], SERVED[2], SERVED[4], SERVED[5], SERVED[6]]
 
 
