@@ -61,7 +61,7 @@ BLOCK_M = 64           # query rows per Q tile (the ring's unit)
 BLOCK_N = 128          # K/V rows per program: 64 per consumer warpgroup
 WG_N = BLOCK_N // 2
 CONSUMER_REGS = 240    # setmaxnreg for the consumer warpgroups (FA3's choice at D = 128)
-# Variants: (STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS, PREFETCH).
+# Variants: (STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS, LSE_SMEM).
 #   STAGES: ring depth of Q / dO.
 #   ATOMIC_VEC (DQ_MODE 0): contiguous fp32 per thread per dQ atomic (2: straight from the wgmma accumulator
 #       layout; 4: after a layout conversion through shared memory).
@@ -73,7 +73,9 @@ CONSUMER_REGS = 240    # setmaxnreg for the consumer warpgroups (FA3's choice at
 #       (cp.reduce.async.bulk.tensor: the copy engine does the adds, no thread issues them).  The handshake of
 #       modes 1 and 2: _drain_dq.
 #   DQ_BUFS: dQ_j buffers in shared memory for modes 1 / 2 (2: the consumers store dQ_j while dQ_{j-1} drains).
-#   PREFETCH: each step loads the next Q tile's lse2 / Delta rows (a step ahead of their use).
+#   LSE_SMEM: the producer loads Q tile j's lse2 and Delta rows into shared memory next to Q_j / dO_j (the
+#       consumers read them in the layout they use, when they use them); else each consumer loads them from
+#       global memory itself, compactly, and spreads them through a shared-memory layout conversion.
 # ptxas spills a few values in every bf16 variant (bench/gluon_bwd_probe.py --compile-only reports them per
 # loop).  DEFAULT is the fastest in the probe's H200 runs (results/gluon_bwd_probe_h200*.json, PERFLOG rows 19
 # and 20): s2_v4 led the DQ_MODE 0 variants; s2_tma then beat it by 14-17% in all five cells (e.g.
@@ -82,7 +84,7 @@ VARIANTS = {"s2_v2": (2, 2, False, 0, 1, False), "s2_v2_peel": (2, 2, True, 0, 1
             "s3_v2": (3, 2, False, 0, 1, False), "s2_v4": (2, 4, False, 0, 1, False),
             "s2_v4_peel": (2, 4, True, 0, 1, False), "s2_pw": (2, 4, False, 1, 1, False),
             "s2_tma": (2, 4, False, 2, 1, False), "s2_tma2": (2, 4, False, 2, 2, False),
-            "s2_tma_pf": (2, 4, False, 2, 1, True), "s2_tma2_pf": (2, 4, False, 2, 2, True)}
+            "s2_tma_ls": (2, 4, False, 2, 1, True), "s2_tma2_ls": (2, 4, False, 2, 2, True)}
 DEFAULT = "s2_tma"
 
 
@@ -188,9 +190,11 @@ if gluon is not None:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, do_ready,
-                  qdo_empty, dq_smem, dq_bars, dq_ptr, dq_desc, seqlen_q, seqlen_k, group, HEADS_Q: gl.constexpr,
-                  CAUSAL: gl.constexpr, STAGES: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr):
+                  qdo_empty, dq_smem, dq_bars, dq_ptr, dq_desc, stat_smem, lse_ptr, delta_ptr, sm_scale, seqlen_q,
+                  seqlen_k, group, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
+                  DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr, LSE_SMEM: gl.constexpr):
         """TMA issue: K and V once, then Q_j / dO_j into stage i % STAGES once both consumers freed it.
+        LSE_SMEM: also Q_j's lse2 and Delta rows into stat_smem (plain loads and stores: 512 bytes per tile).
         DQ_MODE 1 / 2: also dQ_j's adds (_drain_dq), for tile i - STAGES right after issuing tile i: the
         qdo_empty wait just passed says the consumers are done with tile i - STAGES, so its dQ is (about to
         be) in dq_smem, and the next loads are issued without waiting for the drain of the previous tile."""
@@ -204,6 +208,7 @@ if gluon is not None:
         j0, n_iter = _q_tiles(seqlen_q, CAUSAL)
         q_row = b * seqlen_q + j0 * _BLOCK_M
         dq_row = dq_ptr + (b.to(gl.int64) * seqlen_q * HEADS_Q + h) * _HEAD_DIM     # dq_accum[b, 0, h, 0]
+        vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         for i in range(n_iter):
             s = i % STAGES
             # First lap: a fresh barrier's parity 1 counts as completed, so the ring starts empty.
@@ -214,6 +219,13 @@ if gluon is not None:
             mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [q_row + i * _BLOCK_M, h * _HEAD_DIM], do_ready.index(s),
                                             do_smem.index(s))
+            if LSE_SMEM:   # after both copies are issued, so that these loads' latency delays neither
+                rows = (j0 + i) * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
+                stat_smem.index(s).store(gl.load(lse_ptr + pid_bh.to(gl.int64) * seqlen_q + rows))
+                # Delta times softmax_scale: the form dS = P * (dP * scale - Delta * scale) uses
+                delta = gl.load(delta_ptr + pid_bh.to(gl.int64) * seqlen_q + rows) * sm_scale
+                stat_smem.index(STAGES + s).store(delta)
+                mbarrier.arrive(q_ready.index(s), count=1)   # q_ready's second arrival (after a partition barrier)
             if DQ_MODE != 0:
                 if i >= STAGES:
                     _drain_dq(i - STAGES, j0, dq_smem, dq_bars, dq_row, dq_desc, h, q_row, HEADS_Q, DQ_MODE,
@@ -224,13 +236,11 @@ if gluon is not None:
 
     @gluon.jit
     def _step(i, j, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
-              dq_smem, dq_bars, lse_row, delta_row, lse2_c, delta_c, seqlen_q, dq_row, kv_rows, qk_scale,
-              sm_scale, WG: gl.constexpr, HEADS_Q: gl.constexpr, STAGES: gl.constexpr, ATOMIC_VEC: gl.constexpr,
-              MASK: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr, PREFETCH: gl.constexpr):
+              dq_smem, dq_bars, stat_smem, lse_row, delta_row, dq_row, kv_rows, qk_scale, sm_scale,
+              WG: gl.constexpr, HEADS_Q: gl.constexpr, STAGES: gl.constexpr, ATOMIC_VEC: gl.constexpr,
+              MASK: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr, LSE_SMEM: gl.constexpr):
         """Q tile j (the i-th of this program): dK, dV updated, dQ_j's share added to dq_accum (DQ_MODE 1 / 2:
-        handed to the producer through dq_smem instead).  PREFETCH: lse2_c / delta_c are tile j's rows
-        (loaded by the previous step) and tile j + 1's are loaded here, a whole step before they are used;
-        returns (dk, dv, lse2 rows, Delta rows) for the next step."""
+        handed to the producer through dq_smem instead)."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_M, 16])
@@ -240,29 +250,24 @@ if gluon is not None:
         q_s = q_smem.index(s)
         do_s = do_smem.index(s)
         cols = j * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=col_s)    # query rows = columns of S^T
-        # lse2_j / Delta_j are loaded compactly (one float per thread) and spread to the column layout of
-        # S^T (16 floats per thread) only where used: they would otherwise hold 32 registers across the
-        # matmuls, where this warpgroup peaks at 240.
-        # PREFETCH: the loads of tile j + 1's rows are in flight during this whole step (past the last tile:
-        # masked off).  Otherwise tile j's are loaded here, and their latency is exposed at the S^T wait.
-        vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        if PREFETCH:
-            nxt = (j + 1) * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
-            lse2_n = gl.load(lse_row + nxt, mask=nxt < seqlen_q, other=0.0)
-            delta_n = gl.load(delta_row + nxt, mask=nxt < seqlen_q, other=0.0)
-        else:
+        if not LSE_SMEM:
+            # lse2_j / Delta_j are loaded compactly (one float per thread) and spread to the column layout of
+            # S^T (16 floats per thread) only where used: they would otherwise hold 32 registers across the
+            # matmuls, where this warpgroup peaks at 240.
+            vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
             q_rows = j * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
             lse2_c = gl.load(lse_row + q_rows)
             delta_c = gl.load(delta_row + q_rows)
-            lse2_n = lse2_c
-            delta_n = delta_c
         zero = gl.zeros([_WG_N, _BLOCK_M], gl.float32, s_layout)
 
         mbarrier.wait(q_ready.index(s), (i // STAGES) & 1)
         s_tok = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(s), (i // STAGES) & 1)
         dp_tok = warpgroup_mma(v_wg, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-        lse2 = gl.convert_layout(lse2_c, col_s)
+        if LSE_SMEM:   # the producer's copy (complete with the q_ready phase waited for above)
+            lse2 = stat_smem.index(s).load(col_s)
+        else:
+            lse2 = gl.convert_layout(lse2_c, col_s)
         s_t = warpgroup_mma_wait(1, deps=[s_tok])                 # dP^T keeps running
         # Causal diagonal: key kv visible to query row q iff kv <= q.  MASK 1: always (the diagonal loop);
         # 2: at run time on the program's first two Q tiles (one loop body: fewer registers for ptxas).
@@ -273,7 +278,10 @@ if gluon is not None:
                 s_t = gl.where(cols[None, :] >= kv_rows[:, None], s_t, float("-inf"))
         p_t = gl.exp2(s_t * qk_scale - lse2[None, :]).to(dtype)
         dv_tok = warpgroup_mma(gl.convert_layout(p_t, p_layout), do_s, dv, is_async=True)
-        delta = gl.convert_layout(delta_c * sm_scale, col_s)
+        if LSE_SMEM:
+            delta = stat_smem.index(STAGES + s).load(col_s)   # already times softmax_scale
+        else:
+            delta = gl.convert_layout(delta_c * sm_scale, col_s)
         dp_t = warpgroup_mma_wait(1, deps=[dp_tok])               # dV keeps running
         # dS from the rounded P that dV used (as torch's low-precision math): P fp32 would hold 16 more
         # registers per thread across the dP wait, where this warpgroup peaks at 240.
@@ -304,7 +312,7 @@ if gluon is not None:
             else:
                 dq_smem.slice(WG * (_HEAD_DIM // 2), _HEAD_DIM // 2, dim=1).store(dq)
             mbarrier.arrive(dq_bars.index(u), count=1)            # (after a barrier of this warpgroup)
-            return dk, dv, lse2_n, delta_n
+            return dk, dv
         # dq_accum[row, 64 WG + c] += dq[row, c]  (relaxed: only the final sums matter)
         if ATOMIC_VEC == 4:
             a_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
@@ -318,14 +326,14 @@ if gluon is not None:
         rows = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, a_layout))
         dcols = WG * (_HEAD_DIM // 2) + gl.arange(0, _HEAD_DIM // 2, layout=gl.SliceLayout(0, a_layout))
         gl.atomic_add(dq_tile + (rows[:, None] * row_stride + dcols[None, :]), dq, sem="relaxed")
-        return dk, dv, lse2_n, delta_n
+        return dk, dv
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                   dq_smem, dq_bars, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale,
                   sm_scale, WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
                   ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr,
-                  PREFETCH: gl.constexpr):
+                  LSE_SMEM: gl.constexpr, stat_smem):
         """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, 128]."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, _HEAD_DIM, 16])
@@ -346,24 +354,20 @@ if gluon is not None:
         dk = gl.zeros([_WG_N, _HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([_WG_N, _HEAD_DIM], gl.float32, acc_layout)
         j0, n_iter = _q_tiles(seqlen_q, CAUSAL)
-        first = j0 * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=gl.BlockedLayout([1], [32], [4], [0]))
-        lse2_c = gl.load(lse_row + first)       # the first Q tile's rows (PREFETCH; unused otherwise)
-        delta_c = gl.load(delta_row + first)
         mbarrier.wait(kv_ready, 0)
         i0 = 0
         if CAUSAL and PEEL:  # the two Q tiles on the diagonal carry the mask; every later one is fully visible
             for i in range(2):   # a loop of its own (not unrolled): one copy of the masked step
-                dk, dv, lse2_c, delta_c = _step(
-                    i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty,
-                    ds_ready, dq_smem, dq_bars, lse_row, delta_row, lse2_c, delta_c, seqlen_q, dq_row, kv_rows,
-                    qk_scale, sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 1, DQ_MODE, DQ_BUFS, PREFETCH)
+                dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
+                               qdo_empty, ds_ready, dq_smem, dq_bars, stat_smem, lse_row, delta_row, dq_row,
+                               kv_rows, qk_scale, sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 1, DQ_MODE, DQ_BUFS,
+                               LSE_SMEM)
             i0 = 2
         for i in range(i0, n_iter):
-            dk, dv, lse2_c, delta_c = _step(
-                i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty,
-                ds_ready, dq_smem, dq_bars, lse_row, delta_row, lse2_c, delta_c, seqlen_q, dq_row, kv_rows,
-                qk_scale, sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 2 if CAUSAL and not PEEL else 0, DQ_MODE,
-                DQ_BUFS, PREFETCH)
+            dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
+                           qdo_empty, ds_ready, dq_smem, dq_bars, stat_smem, lse_row, delta_row, dq_row, kv_rows,
+                           qk_scale, sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 2 if CAUSAL and not PEEL else 0,
+                           DQ_MODE, DQ_BUFS, LSE_SMEM)
 
         # Epilogue: dK, dV rows of query head h into [B, Sk, Hq, D]: dk / dv themselves without GQA, else
         # float32 partials.  One int64 scalar plus int32 per-thread offsets that fold into immediates.
@@ -379,7 +383,7 @@ if gluon is not None:
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
                          seqlen_q, seqlen_k, group, qk_scale, sm_scale, HEADS_Q: gl.constexpr,
                          CAUSAL: gl.constexpr, STAGES: gl.constexpr, ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr,
-                         DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr, PREFETCH: gl.constexpr):
+                         DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr, LSE_SMEM: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, _HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, _HEAD_DIM], v_desc.layout)
@@ -394,7 +398,7 @@ if gluon is not None:
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
         for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=1)
+            mbarrier.init(q_ready.index(i), count=2 if LSE_SMEM else 1)   # LSE_SMEM: + the producer's arrival
             mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(qdo_empty.index(i), count=2)   # one arrive per consumer warpgroup
         for i in gl.static_range(2):
@@ -409,6 +413,12 @@ if gluon is not None:
             dq_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, _HEAD_DIM], dq_layout)
         else:             # not used: a stand-in for the argument (no shared memory spent)
             dq_smem = ds_smem
+        if LSE_SMEM:   # lse2 rows of stage s at index s, Delta * softmax_scale rows at STAGES + s
+            # (a rank-1 layout: the leading dimension only indexes the rows)
+            stat_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, _BLOCK_M],
+                                                  gl.SwizzledSharedLayout(1, 1, 1, [0]))
+        else:
+            stat_smem = ds_smem   # not used: a stand-in for the argument
         dq_bars = gl.allocate_shared_memory(gl.int64, [2 * DQ_BUFS, 1], mbarrier.MBarrierLayout())
         for u in gl.static_range(DQ_BUFS):
             mbarrier.init(dq_bars.index(u), count=2)             # dq_full[u]: one arrive per consumer warpgroup
@@ -416,16 +426,16 @@ if gluon is not None:
         # Argument tuples are written inline: bound to a local first, their constexprs turn into tensors.
         gl.warp_specialize([
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready,
-                         do_ready, qdo_empty, dq_smem, dq_bars, dq_ptr, dq_desc, seqlen_q, seqlen_k, group, HEADS_Q,
-                         CAUSAL, STAGES, DQ_MODE, DQ_BUFS)),
+                         do_ready, qdo_empty, dq_smem, dq_bars, dq_ptr, dq_desc, stat_smem, lse_ptr, delta_ptr,
+                         sm_scale, seqlen_q, seqlen_k, group, HEADS_Q, CAUSAL, STAGES, DQ_MODE, DQ_BUFS, LSE_SMEM)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                          dq_smem, dq_bars, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k,
                          qk_scale, sm_scale, 0, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS,
-                         PREFETCH)),
+                         LSE_SMEM, stat_smem)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                          dq_smem, dq_bars, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k,
                          qk_scale, sm_scale, 1, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS,
-                         PREFETCH)),
+                         LSE_SMEM, stat_smem)),
         ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
 
 
@@ -442,7 +452,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     when given (contiguous, q's / k's / v's dtype).  None when the kernel fails to compile here (the
     caller then runs the Triton kernels).  `out` is unused (Delta carries it).  warmup=True compiles
     without launching and returns the compiled kernel (bench/gluon_bwd_probe.py)."""
-    stages, vec, peel, dq_mode, dq_bufs, prefetch = VARIANTS[variant]
+    stages, vec, peel, dq_mode, dq_bufs, lse_smem = VARIANTS[variant]
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     group = spec.group_size
@@ -460,7 +470,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
             _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dq_accum, dk_out, dv_out, sq, sk, group, spec.softmax_scale * LOG2E, spec.softmax_scale)
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and causal.
     meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, STAGES=stages, ATOMIC_VEC=vec, PEEL=peel, DQ_MODE=dq_mode,
-                DQ_BUFS=dq_bufs, PREFETCH=prefetch, num_warps=4)
+                DQ_BUFS=dq_bufs, LSE_SMEM=lse_smem, num_warps=4)
     if warmup:
         return _attn_bwd_hopper.warmup(*args, grid=grid, **meta)
     key = (q.dtype, spec.causal, q.device)
