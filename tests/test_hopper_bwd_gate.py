@@ -79,10 +79,12 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, bwd):
     if bwd.gluon is None:
         pytest.skip("Gluon not installed")
 
+    from flashport.kernels.launch import DirectLauncher
+
     class Rejecting:
         def warmup(self, *a, **kw):
             raise RuntimeError("ptxas: unsupported")
-    monkeypatch.setattr(bwd, "_attn_bwd_hopper", Rejecting())
+    monkeypatch.setattr(bwd, "_launch", DirectLauncher(Rejecting()))
     monkeypatch.setattr(bwd, "_compiled", set())
     q = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
     spec, _ = dense_spec(q, q, q, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,

@@ -123,10 +123,12 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, d, on_h
     if attn_fwd_hopper.gluon is None:
         pytest.skip("Gluon not installed")
 
+    from flashport.kernels.launch import DirectLauncher
+
     class Rejecting:
         def warmup(self, *a, **kw):
             raise RuntimeError("ptxas: unsupported")
-    monkeypatch.setattr(attn_fwd_hopper, "_attn_fwd_hopper", Rejecting())
+    monkeypatch.setattr(attn_fwd_hopper, "_launch", DirectLauncher(Rejecting()))
     monkeypatch.setattr(attn_fwd_hopper, "broken", {})
     monkeypatch.setattr(attn_fwd_hopper, "_compiled", set())
     q = torch.zeros(1, 256, 2, d, dtype=torch.bfloat16)

@@ -42,6 +42,7 @@ import torch
 import triton
 
 from .attn_fwd_hopper import _capability, _descriptor, feature_reasons  # shared with the forward
+from .launch import DirectLauncher
 
 try:  # Gluon ships with recent Triton; without it (or another version: TESTED_TRITON) this path declines
     from triton.experimental import gluon
@@ -438,6 +439,8 @@ if gluon is not None:
                          LSE_SMEM, stat_smem)),
         ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
 
+    _launch = DirectLauncher(_attn_bwd_hopper)
+
 
 # Compiled (variant, dtype, causal, device) and the (dtype, causal, device) whose compilation failed, with the
 # reason: a failure switches this path off for them (one warning), and the Triton kernels serve instead.
@@ -467,23 +470,24 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     grid = (sk // BLOCK_N, b * hq)
     # dq_accum's descriptor: [64, 64] float32 boxes (one warpgroup's half of dQ_j), for DQ_MODE 2's reduce-adds.
     args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
-            _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dq_accum, dk_out, dv_out, sq, sk, group, spec.softmax_scale * LOG2E, spec.softmax_scale)
+            _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dq_accum, dk_out, dv_out, sq, sk, group,
+            spec.softmax_scale * LOG2E, spec.softmax_scale)
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and causal.
     meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, STAGES=stages, ATOMIC_VEC=vec, PEEL=peel, DQ_MODE=dq_mode,
                 DQ_BUFS=dq_bufs, LSE_SMEM=lse_smem, num_warps=4)
     if warmup:
-        return _attn_bwd_hopper.warmup(*args, grid=grid, **meta)
+        return _launch.compile(grid, args, meta)
     key = (q.dtype, spec.causal, q.device)
     if (variant, hq, group > 1, *key) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
-            _attn_bwd_hopper.warmup(*args, grid=grid, **meta)
+            _launch.compile(grid, args, meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernels"
             broken[key] = f"{type(e).__name__}: {e}"[:300]
             warnings.warn(f"flashport: the Hopper backward failed to compile for {key} and is switched off "
                           f"for it; the Triton kernels serve instead ({broken[key]})", RuntimeWarning, stacklevel=3)
             return None
         _compiled.add((variant, hq, group > 1, *key))
-    _attn_bwd_hopper[grid](*args, **meta)
+    _launch(grid, args, meta)
     # dQ already carries softmax_scale (folded into dS): the epilogue is a cast.
     dq = dq.copy_(dq_accum) if dq is not None else dq_accum.to(q.dtype)
     if group > 1:  # [B, Sk, Hq, D] -> [B, Sk, Hkv, G, D] summed over G (query head h reads kv head h // G)

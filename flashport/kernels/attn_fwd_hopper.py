@@ -44,12 +44,13 @@ from typing import NamedTuple
 import torch
 import triton
 
+from .launch import Desc, DirectLauncher
+
 try:  # Gluon ships with recent Triton; without it (or another version: TESTED_TRITON) this path declines
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
                                                                   warpgroup_mma, warpgroup_mma_wait)
-    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
@@ -354,6 +355,8 @@ if gluon is not None:
                          EARLY_K)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
+    _launch = DirectLauncher(_attn_fwd_hopper)
+
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
@@ -364,12 +367,13 @@ def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
     return gl.NVMMASharedLayout.get_default_for([rows, cols], getattr(gl, _GL_DTYPES[dtype]))
 
 
-def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> "TensorDescriptor":
+def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> Desc:
     """TMA descriptor over the 2D view [B * S, H * D] of a contiguous [B, S, H, D] tensor: a [rows, D]
-    block at (b * S + n, h * D) is one head's tile (the backward's too); cols < D: a part of a head's row."""
+    block at (b * S + n, h * D) is one head's tile (the backward's too); cols < D: a part of a head's row.
+    (Arguments only, for kernels/launch.py: the JIT path builds and validates the TensorDescriptor.)"""
     b, s, h, d = t.shape
     cols = d if cols is None else cols
-    return TensorDescriptor.from_tensor(t.view(b * s, h * d), [rows, cols], _smem_layout(rows, cols, t.dtype))
+    return Desc(t, [b * s, h * d], [h * d, 1], (rows, cols), _smem_layout(rows, cols, t.dtype))
 
 
 # Compiled variants (dtype, head dim, causal, device) and the ones whose compilation failed, with the
@@ -395,11 +399,11 @@ def forward(spec, q, k, v, warmup: bool = False):
     meta = dict(CAUSAL=spec.causal, STAGES=tiles.stages, CONSUMER_REGS=tiles.consumer_regs,
                 EARLY_K=tiles.early_k, num_warps=4)
     if warmup:
-        return _attn_fwd_hopper.warmup(*args, grid=grid, **meta)
+        return _launch.compile(grid, args, meta)
     variant = (q.dtype, d, spec.causal, q.device)
     if variant not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
-            _attn_fwd_hopper.warmup(*args, grid=grid, **meta)
+            _launch.compile(grid, args, meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernel"
             broken[variant] = f"{type(e).__name__}: {e}"[:300]
             warnings.warn(f"flashport: the Hopper forward failed to compile for {variant} and is switched off "
@@ -407,5 +411,5 @@ def forward(spec, q, k, v, warmup: bool = False):
                           stacklevel=3)
             return None
         _compiled.add(variant)
-    _attn_fwd_hopper[grid](*args, **meta)
+    _launch(grid, args, meta)
     return out, lse, lse2
