@@ -74,19 +74,23 @@ CONSUMER_REGS = 240    # setmaxnreg for the consumer warpgroups (FA3's choice at
 #       (cp.reduce.async.bulk.tensor: the copy engine does the adds, no thread issues them).  The handshake of
 #       modes 1 and 2: _drain_dq.
 #   DQ_BUFS: dQ_j buffers in shared memory for modes 1 / 2 (2: the consumers store dQ_j while dQ_{j-1} drains).
-#   LSE_SMEM: the producer loads Q tile j's lse2 and Delta rows into shared memory next to Q_j / dO_j (the
-#       consumers read them in the layout they use, when they use them); else each consumer loads them from
-#       global memory itself, compactly, and spreads them through a shared-memory layout conversion.
+#   LSE_SMEM: 1 / 2: the producer loads Q tile j's lse2 and Delta rows into shared memory next to Q_j / dO_j,
+#       and the consumers read them in the layout they use (2: lse2 before issuing the S^T and dP^T matmuls,
+#       whose operand reads would otherwise delay it); 0: each consumer loads them from global memory itself,
+#       compactly, and spreads them through a shared-memory layout conversion.
 # ptxas spills a few values in every bf16 variant (bench/gluon_bwd_probe.py --compile-only reports them per
 # loop).  DEFAULT is the fastest in the probe's H200 runs (results/gluon_bwd_probe_h200*.json, PERFLOG rows 19
-# and 20): s2_v4 led the DQ_MODE 0 variants; s2_tma then beat it by 14-17% in all five cells (e.g.
-# non-causal S=16384 481 vs 413 TF/s, causal 464 vs 407, Llama GQA causal 8192 428 vs 364).
-VARIANTS = {"s2_v2": (2, 2, False, 0, 1, False), "s2_v2_peel": (2, 2, True, 0, 1, False),
-            "s3_v2": (3, 2, False, 0, 1, False), "s2_v4": (2, 4, False, 0, 1, False),
-            "s2_v4_peel": (2, 4, True, 0, 1, False), "s2_pw": (2, 4, False, 1, 1, False),
-            "s2_tma": (2, 4, False, 2, 1, False), "s2_tma2": (2, 4, False, 2, 2, False),
-            "s2_tma_ls": (2, 4, False, 2, 1, True), "s2_tma2_ls": (2, 4, False, 2, 2, True)}
-DEFAULT = "s2_tma"
+# to 21): s2_v4 led the DQ_MODE 0 variants; s2_tma then beat it by 14-17% in all five cells (e.g.
+# non-causal S=16384 481 vs 413 TF/s, causal 464 vs 407, Llama GQA causal 8192 428 vs 364); staging lse2 /
+# Delta in shared memory (no bf16 spills left in the non-causal loop) gave s2_tma2_ls 446-487 TF/s, the
+# best of the four TMA variants in 3 of 5 cells and within 1% in the other two.
+VARIANTS = {"s2_v2": (2, 2, False, 0, 1, 0), "s2_v2_peel": (2, 2, True, 0, 1, 0),
+            "s3_v2": (3, 2, False, 0, 1, 0), "s2_v4": (2, 4, False, 0, 1, 0),
+            "s2_v4_peel": (2, 4, True, 0, 1, 0), "s2_pw": (2, 4, False, 1, 1, 0),
+            "s2_tma": (2, 4, False, 2, 1, 0), "s2_tma2": (2, 4, False, 2, 2, 0),
+            "s2_tma_ls": (2, 4, False, 2, 1, 1), "s2_tma2_ls": (2, 4, False, 2, 2, 1),
+            "s2_tma_lse": (2, 4, False, 2, 1, 2), "s2_tma2_lse": (2, 4, False, 2, 2, 2)}
+DEFAULT = "s2_tma2_ls"
 
 
 def enabled() -> bool:
@@ -262,12 +266,14 @@ if gluon is not None:
         zero = gl.zeros([_WG_N, _BLOCK_M], gl.float32, s_layout)
 
         mbarrier.wait(q_ready.index(s), (i // STAGES) & 1)
+        if LSE_SMEM == 2:   # the producer's copy (complete with this q_ready phase), read before the matmuls'
+            lse2 = stat_smem.index(s).load(col_s)   # operand reads queue up ahead of it in shared memory
         s_tok = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         mbarrier.wait(do_ready.index(s), (i // STAGES) & 1)
         dp_tok = warpgroup_mma(v_wg, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-        if LSE_SMEM:   # the producer's copy (complete with the q_ready phase waited for above)
+        if LSE_SMEM == 1:
             lse2 = stat_smem.index(s).load(col_s)
-        else:
+        elif LSE_SMEM == 0:
             lse2 = gl.convert_layout(lse2_c, col_s)
         s_t = warpgroup_mma_wait(1, deps=[s_tok])                 # dP^T keeps running
         # Causal diagonal: key kv visible to query row q iff kv <= q.  MASK 1: always (the diagonal loop);
