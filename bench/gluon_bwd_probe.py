@@ -137,7 +137,7 @@ def _reference(q, k, v, do, causal, scale, dtype):
 
 
 # candidates checked on every shape like the default (their barriers or loads are new)
-FULL_CHECK = ("s2_tma2_ls", "s2_tma_lse")
+FULL_CHECK = ("s2_tma_lse",)
 
 
 def check(variants, dev) -> list:
@@ -285,7 +285,7 @@ def main(argv=None) -> int:
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a on CPU and report SASS stats")
     ap.add_argument("--variants", nargs="*", default=None,
                     help=f"subset of {list(attn_bwd_hopper.VARIANTS)}; default: all with --compile-only, else "
-                         f"{attn_bwd_hopper.DEFAULT} (the library's), s2_tma2_ls, s2_tma_ls, s2_tma_lse, s2_tma")
+                         f"all ({attn_bwd_hopper.DEFAULT} is the library's)")
     ap.add_argument("--budget", type=float, default=200, help="seconds after which per-variant timings are "
                     "skipped (the library path, Triton and SDPA rows always run)")
     ap.add_argument("--skip-check", action="store_true")
@@ -299,8 +299,7 @@ def main(argv=None) -> int:
         dev = torch.device("cuda")
         result["device"] = torch.cuda.get_device_name()
         t0 = time.time()
-        variants = args.variants or list(dict.fromkeys([attn_bwd_hopper.DEFAULT, "s2_tma2_ls", "s2_tma_ls",
-                                                        "s2_tma_lse", "s2_tma"]))
+        variants = args.variants or list(dict.fromkeys([attn_bwd_hopper.DEFAULT, *attn_bwd_hopper.VARIANTS]))
         if not args.skip_check:
             result["check"] = check(variants, dev)
         result["bench"] = bench(variants, dev, args.rep, t0 + args.budget)

@@ -221,7 +221,8 @@ def _attn_fwd_gluon(q_desc, k_desc, v_desc, o_desc, lse_ptr, seqlen, num_heads, 
 
 def _descs(q, k, v, o, block_n):
     """TMA descriptors (the library's: one head's [rows, D] tile of the 2D view [B*S, H*D])."""
-    return tuple(_descriptor(t, rows).real() for t, rows in ((q, 2 * BLOCK_M), (k, block_n), (v, block_n), (o, BLOCK_M)))
+    tiles = ((q, 2 * BLOCK_M), (k, block_n), (v, block_n), (o, BLOCK_M))
+    return tuple(_descriptor(t, rows).real() for t, rows in tiles)
 
 
 def gluon_forward(q, k, v, block_n=128, stages=2, overlap=0, softmax_scale=None, warmup=False):

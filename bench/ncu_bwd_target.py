@@ -2,7 +2,7 @@
 training shape, nothing else of note on the GPU.
 
     PYTHONPATH=. ncu --clock-control none -k regex:_attn_bwd_hopper --launch-skip 2 --launch-count 1 \\
-        --section SpeedOfLight --section WarpStateStats python3 bench/ncu_bwd_target.py --variant s2_v4 --causal
+        --section SpeedOfLight --section WarpStateStats python3 bench/ncu_bwd_target.py --variant s2_tma_lse --causal
 
 (--launch-skip 2 skips the compile-time warm-up launch and one cold launch.)
 """

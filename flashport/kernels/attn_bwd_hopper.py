@@ -2,14 +2,15 @@
 
 kernels/attn_bwd.py runs a dK/dV kernel and a separate dQ kernel: S and dP are computed twice, 7 matmuls
 per (Q tile, K/V tile) pair.  Here, as in FA3, one kernel per K/V tile also produces dQ: its share of
-dQ_j = dS_j K is added to a float32 buffer with atomics, so each pair costs 5 matmuls.  Atomics make the
-summation order (and so the last bits of dQ) depend on scheduling: this path only serves calls with
+dQ_j = dS_j K is added to a float32 buffer by TMA reduce-adds, so each pair costs 5 matmuls.  The order of
+those adds (and so the last bits of dQ) depends on scheduling: this path only serves calls with
 deterministic=False; deterministic=True keeps the Triton kernels (bitwise reproducible).
 
 One program per (128-row K/V tile n, query head h, batch entry b); grid (Sk / 128, B * Hq); three roles:
 * a producer (4 warps) TMA-loads the K and V tiles once, then Q_j and dO_j (BLOCK_M = 64 rows each) into a
-  STAGES-deep shared-memory ring (q_ready / do_ready filled by the copy engine, qdo_empty released by
-  both consumers once every matmul reading the stage has retired);
+  STAGES-deep shared-memory ring, with Q_j's lse2 and Delta rows (q_ready / do_ready, qdo_empty released by
+  both consumers once every matmul reading the stage has retired); it also drains dQ_j: one TMA
+  reduce-add (cp.reduce.async.bulk.tensor) per warpgroup half from a shared buffer into dq_accum;
 * two consumer warpgroups (240 registers each); warpgroup WG owns K/V rows [64 WG, 64 WG + 64) of the tile
   and their float32 accumulators dK_wg, dV_wg [64, 128].  Per Q tile j (transposed scores, as attn_bwd.py):
       S^T  = K_wg Q_j^T,  dP^T = V_wg dO_j^T                     [64 kv, 64 q], both in flight together
@@ -19,14 +20,12 @@ One program per (128-row K/V tile n, query head h, batch entry b); grid (Sk / 12
       dS^T -> shared buffer ds[i % 2] (the two warpgroups' halves make the tile's [128 kv, 64 q] dS^T)
       dK  += dS^T Q_j                                            (dS^T read back from shared memory)
       after an mbarrier (ds_ready: both halves written) warpgroup WG computes dQ_j[:, 64 WG : 64 WG + 64] =
-      dS_j K[:, 64 WG : 64 WG + 64] and adds it to dq_accum [B, Sq, Hq, D] float32 (red.global.add).
+      dS_j K[:, 64 WG : 64 WG + 64] and stores it into the dQ buffer for the producer (_drain_dq).
   ds is double-buffered: a warpgroup rewrites ds[i % 2] at step i + 2 only after waiting on ds_ready of
   step i + 1, which the other warpgroup signals after its dQ matmul of step i (the last reader) retired.
 Causal (Sq == Sk): K/V tile n meets Q tiles 2n, 2n + 1 (masked) and the unmasked ones after; lower n
 has more work, so programs start with n = 0.  GQA: dK / dV are written as float32 partials per query
-head and summed per group afterwards (as attn_bwd.py); dQ accumulates per query head.  Hq is a
-compile-time constant: with constant row strides the per-thread offsets of the dQ atomics and the dK / dV
-stores fold into instruction immediates (as run-time strides they were registers that ptxas spilled).
+head and summed per group afterwards (as attn_bwd.py); dQ accumulates per query head.
 
 Equivalent PyTorch math (per batch entry and query head, s = softmax_scale, K/V of head h // G):
     P = exp(s * Q K^T - lse);  dV = P^T dO;  dP = dO V^T;  Delta = rowsum(dO * O) (- dlse)
@@ -62,35 +61,16 @@ BLOCK_M = 64           # query rows per Q tile (the ring's unit)
 BLOCK_N = 128          # K/V rows per program: 64 per consumer warpgroup
 WG_N = BLOCK_N // 2
 CONSUMER_REGS = 240    # setmaxnreg for the consumer warpgroups (FA3's choice at D = 128)
-# Variants: (STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS, LSE_SMEM).
-#   STAGES: ring depth of Q / dO.
-#   ATOMIC_VEC (DQ_MODE 0): contiguous fp32 per thread per dQ atomic (2: straight from the wgmma accumulator
-#       layout; 4: after a layout conversion through shared memory).
-#   PEEL (causal): the two diagonal Q tiles in a loop of their own (masking code only there), or masked behind
-#       a run-time branch in the one loop body.
-#   DQ_MODE: who adds dQ_j to dq_accum.  0: the consumer warpgroups (REDG.ADD straight from registers);
-#       1: the producer warps (FA3's dQ writer) with REDG.ADD, reading dQ_j back from a shared buffer the
-#       consumers filled; 2: the producer, with one TMA bulk reduce-add per warpgroup half
-#       (cp.reduce.async.bulk.tensor: the copy engine does the adds, no thread issues them).  The handshake of
-#       modes 1 and 2: _drain_dq.
-#   DQ_BUFS: dQ_j buffers in shared memory for modes 1 / 2 (2: the consumers store dQ_j while dQ_{j-1} drains).
-#   LSE_SMEM: 1 / 2: the producer loads Q tile j's lse2 and Delta rows into shared memory next to Q_j / dO_j,
-#       and the consumers read them in the layout they use (2: lse2 before issuing the S^T and dP^T matmuls,
-#       whose operand reads would otherwise delay it); 0: each consumer loads them from global memory itself,
-#       compactly, and spreads them through a shared-memory layout conversion.
-# ptxas spills a few values in every bf16 variant (bench/gluon_bwd_probe.py --compile-only reports them per
-# loop).  DEFAULT is the fastest in the probe's H200 runs (results/gluon_bwd_probe_h200*.json, PERFLOG rows 19
-# to 21): s2_v4 led the DQ_MODE 0 variants; s2_tma then beat it by 14-17% in all five cells (e.g.
-# non-causal S=16384 481 vs 413 TF/s, causal 464 vs 407, Llama GQA causal 8192 428 vs 364); staging lse2 /
-# Delta in shared memory removed the bf16 spills of the non-causal loop, and reading lse2 before the first
-# matmul its exposed latency: s2_tma2_lse read 455-514 TF/s, the best of the TMA variants in 3 of 5 cells
-# and the best sum over the five (2431 vs 2368 for s2_tma_ls, 2336 for s2_tma2_ls).
-VARIANTS = {"s2_v2": (2, 2, False, 0, 1, 0), "s2_v2_peel": (2, 2, True, 0, 1, 0),
-            "s3_v2": (3, 2, False, 0, 1, 0), "s2_v4": (2, 4, False, 0, 1, 0),
-            "s2_v4_peel": (2, 4, True, 0, 1, 0), "s2_pw": (2, 4, False, 1, 1, 0),
-            "s2_tma": (2, 4, False, 2, 1, 0), "s2_tma2": (2, 4, False, 2, 2, 0),
-            "s2_tma_ls": (2, 4, False, 2, 1, 1), "s2_tma2_ls": (2, 4, False, 2, 2, 1),
-            "s2_tma_lse": (2, 4, False, 2, 1, 2), "s2_tma2_lse": (2, 4, False, 2, 2, 2)}
+STAGES = 2             # depth of the Q / dO ring
+# Variants: the number of dQ_j buffers in shared memory (2: the consumers store dQ_j while the copy engine
+# still reads dQ_{j-1}).  The schedule itself is the fastest of the probe's H200 runs
+# (results/gluon_bwd_probe_h200*.json, PERFLOG rows 19-22): dQ added by the consumers with REDG.ADD (406-413
+# TF/s at S=16384) or by the producer warps with REDG.ADD lost to the TMA reduce-adds (+14-17%); lse2 / Delta
+# loaded by each consumer (a global load and a layout conversion through shared memory, and bf16 spills in
+# the loop) lost to the producer staging them in shared memory, read before the first matmul of a step:
+# s2_tma2_lse read 455-514 TF/s, the best sum over the five cells (2431 vs 2334 for one buffer).  The losing
+# schedules are in the git history (commit 0ea1fe0 and before).
+VARIANTS = {"s2_tma_lse": 1, "s2_tma2_lse": 2}
 DEFAULT = "s2_tma2_lse"
 
 
@@ -107,7 +87,7 @@ def reasons(spec, q, k, v, do, out=None) -> list[str]:
     if spec.kind != "dense" or spec.device.type != "cuda":
         return ["dense CUDA tensors only"]
     if spec.deterministic:
-        return ["deterministic=True: dQ is summed with atomics here (the Triton kernels are reproducible)"]
+        return ["deterministic=True: dQ is summed in scheduling order here (the Triton kernels are reproducible)"]
     plain = feature_reasons(spec)
     if plain:
         return plain
@@ -140,7 +120,7 @@ if gluon is not None:
                                                   src.handle)
 
     _HEAD_DIM, _BLOCK_M, _BLOCK_N = gl.constexpr(HEAD_DIM), gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
-    _WG_N, _CONSUMER_REGS = gl.constexpr(WG_N), gl.constexpr(CONSUMER_REGS)
+    _WG_N, _CONSUMER_REGS, _STAGES = gl.constexpr(WG_N), gl.constexpr(CONSUMER_REGS), gl.constexpr(STAGES)
 
     @gluon.jit
     def _q_tiles(seqlen_q, CAUSAL: gl.constexpr):
@@ -151,10 +131,9 @@ if gluon is not None:
         return j0, seqlen_q // _BLOCK_M - j0
 
     @gluon.jit
-    def _drain_dq(t, j0, dq_smem, dq_bars, dq_row, dq_desc, h, q_row0, HEADS_Q: gl.constexpr, DQ_MODE: gl.constexpr,
-                  DQ_BUFS: gl.constexpr):
-        """DQ_MODE 1 / 2: dq_accum[Q tile j0 + t] += dQ_t from buffer u = t % DQ_BUFS (both warpgroups'
-        halves), then the buffer is free.
+    def _drain_dq(t, dq_smem, dq_bars, dq_desc, h, q_row0, DQ_BUFS: gl.constexpr):
+        """dq_accum[Q tile t of this program] += dQ_t from buffer u = t % DQ_BUFS (both warpgroups' halves,
+        one TMA reduce-add each), then the buffer is free.
 
         Handshake (buffer u filled by Q tiles t = u, u + DQ_BUFS, ..., its n-th fill being tile u + n DQ_BUFS):
           dq_full[u]  (dq_bars[u], count 2): each consumer warpgroup arrives once per fill after storing its
@@ -169,41 +148,25 @@ if gluon is not None:
         producer never exits with a store unread and the consumers never wait for a drain that does not come."""
         u = t % DQ_BUFS
         mbarrier.wait(dq_bars.index(u), (t // DQ_BUFS) & 1)
-        if DQ_MODE == 2:
-            # dq_smem [2 DQ_BUFS, 64, 64]: warpgroup WG's half of buffer u (index 2 u + WG) goes to columns
-            # [64 WG, 64 WG + 64) of head h.  The consumers fenced their stores for the async proxy;
-            # store_wait(0) returns once the copy engine has read both halves (not once the adds landed: only
-            # the kernel's end orders those, and nothing reads dq_accum before it).
-            row = q_row0 + t * _BLOCK_M
-            _tma_reduce_add(dq_desc, [row, h * _HEAD_DIM], dq_smem.index(2 * u))
-            _tma_reduce_add(dq_desc, [row, h * _HEAD_DIM + _HEAD_DIM // 2], dq_smem.index(2 * u + 1))
-            tma.store_wait(0)
-        else:
-            # 8 rows x 128 columns per chunk: a warp reads / adds one row of 128 contiguous floats (512 B, 4
-            # per thread: LDS.128 and REDG.E.ADD.F32x4); 2 vectors per thread at a time, because the producer
-            # partition runs on the 24 registers setmaxnreg leaves it next to two 240-register consumers.
-            CHUNK: gl.constexpr = 8
-            layout: gl.constexpr = gl.BlockedLayout([1, 4], [1, 32], [4, 1], [1, 0])
-            row_stride: gl.constexpr = HEADS_Q * _HEAD_DIM
-            rows = gl.arange(0, CHUNK, layout=gl.SliceLayout(1, layout))
-            cols = gl.arange(0, _HEAD_DIM, layout=gl.SliceLayout(0, layout))
-            offs = rows[:, None] * row_stride + cols[None, :]
-            tile = dq_row + (j0 + t).to(gl.int64) * (_BLOCK_M * row_stride)
-            for c in gl.static_range(_BLOCK_M // CHUNK):
-                x = dq_smem.slice(c * CHUNK, CHUNK).load(layout)
-                gl.atomic_add(tile + (offs + c * CHUNK * row_stride), x, sem="relaxed")
+        # dq_smem [2 DQ_BUFS, 64, 64]: warpgroup WG's half of buffer u (index 2 u + WG) goes to columns
+        # [64 WG, 64 WG + 64) of head h.  The consumers fenced their stores for the async proxy; store_wait(0)
+        # returns once the copy engine has read both halves (not once the adds landed: only the kernel's end
+        # orders those, and nothing reads dq_accum before it).
+        row = q_row0 + t * _BLOCK_M
+        _tma_reduce_add(dq_desc, [row, h * _HEAD_DIM], dq_smem.index(2 * u))
+        _tma_reduce_add(dq_desc, [row, h * _HEAD_DIM + _HEAD_DIM // 2], dq_smem.index(2 * u + 1))
+        tma.store_wait(0)
         mbarrier.arrive(dq_bars.index(DQ_BUFS + u), count=1)   # (after a barrier of this partition)
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, do_ready,
-                  qdo_empty, dq_smem, dq_bars, dq_ptr, dq_desc, stat_smem, lse_ptr, delta_ptr, sm_scale, seqlen_q,
-                  seqlen_k, group, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                  DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr, LSE_SMEM: gl.constexpr):
-        """TMA issue: K and V once, then Q_j / dO_j into stage i % STAGES once both consumers freed it.
-        LSE_SMEM: also Q_j's lse2 and Delta rows into stat_smem (plain loads and stores: 512 bytes per tile).
-        DQ_MODE 1 / 2: also dQ_j's adds (_drain_dq), for tile i - STAGES right after issuing tile i: the
-        qdo_empty wait just passed says the consumers are done with tile i - STAGES, so its dQ is (about to
-        be) in dq_smem, and the next loads are issued without waiting for the drain of the previous tile."""
+                  qdo_empty, dq_smem, dq_bars, dq_desc, stat_smem, lse_ptr, delta_ptr, sm_scale, seqlen_q, seqlen_k,
+                  group, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFS: gl.constexpr):
+        """TMA issue: K and V once, then Q_j / dO_j into stage i % STAGES once both consumers freed it, with
+        Q_j's lse2 and Delta rows into stat_smem (plain loads and stores: 512 bytes per tile).  Also dQ_j's
+        reduce-adds (_drain_dq), for tile i - STAGES right after issuing tile i: the qdo_empty wait just
+        passed says the consumers are done with tile i - STAGES, so its dQ is (about to be) in dq_smem, and the
+        next loads are issued without waiting for the drain of the previous tile."""
         pid_bh = gl.program_id(1)
         b = pid_bh // HEADS_Q
         h = pid_bh % HEADS_Q
@@ -213,83 +176,62 @@ if gluon is not None:
         tma.async_copy_global_to_shared(v_desc, [kv_row, (h // group) * _HEAD_DIM], kv_ready, v_smem)
         j0, n_iter = _q_tiles(seqlen_q, CAUSAL)
         q_row = b * seqlen_q + j0 * _BLOCK_M
-        dq_row = dq_ptr + (b.to(gl.int64) * seqlen_q * HEADS_Q + h) * _HEAD_DIM     # dq_accum[b, 0, h, 0]
         vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         for i in range(n_iter):
-            s = i % STAGES
+            s = i % _STAGES
             # First lap: a fresh barrier's parity 1 counts as completed, so the ring starts empty.
-            mbarrier.wait(qdo_empty.index(s), ((i // STAGES) & 1) ^ 1)
+            mbarrier.wait(qdo_empty.index(s), ((i // _STAGES) & 1) ^ 1)
             mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(q_desc, [q_row + i * _BLOCK_M, h * _HEAD_DIM], q_ready.index(s),
                                             q_smem.index(s))
             mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
             tma.async_copy_global_to_shared(do_desc, [q_row + i * _BLOCK_M, h * _HEAD_DIM], do_ready.index(s),
                                             do_smem.index(s))
-            if LSE_SMEM:   # after both copies are issued, so that these loads' latency delays neither
-                rows = (j0 + i) * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
-                stat_smem.index(s).store(gl.load(lse_ptr + pid_bh.to(gl.int64) * seqlen_q + rows))
-                # Delta times softmax_scale: the form dS = P * (dP * scale - Delta * scale) uses
-                delta = gl.load(delta_ptr + pid_bh.to(gl.int64) * seqlen_q + rows) * sm_scale
-                stat_smem.index(STAGES + s).store(delta)
-                mbarrier.arrive(q_ready.index(s), count=1)   # q_ready's second arrival (after a partition barrier)
-            if DQ_MODE != 0:
-                if i >= STAGES:
-                    _drain_dq(i - STAGES, j0, dq_smem, dq_bars, dq_row, dq_desc, h, q_row, HEADS_Q, DQ_MODE,
-                              DQ_BUFS)
-        if DQ_MODE != 0:   # the last min(STAGES, n_iter) tiles, in order
-            for t in range(gl.maximum(n_iter - STAGES, 0), n_iter):
-                _drain_dq(t, j0, dq_smem, dq_bars, dq_row, dq_desc, h, q_row, HEADS_Q, DQ_MODE, DQ_BUFS)
+            # lse2 / Delta after both copies are issued, so that these loads' latency delays neither
+            rows = (j0 + i) * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
+            stat_smem.index(s).store(gl.load(lse_ptr + pid_bh.to(gl.int64) * seqlen_q + rows))
+            # Delta times softmax_scale: the form dS = P * (dP * scale - Delta * scale) uses
+            delta = gl.load(delta_ptr + pid_bh.to(gl.int64) * seqlen_q + rows) * sm_scale
+            stat_smem.index(_STAGES + s).store(delta)
+            mbarrier.arrive(q_ready.index(s), count=1)   # q_ready's second arrival (after a partition barrier)
+            if i >= _STAGES:
+                _drain_dq(i - _STAGES, dq_smem, dq_bars, dq_desc, h, q_row, DQ_BUFS)
+        for t in range(gl.maximum(n_iter - _STAGES, 0), n_iter):   # the last min(STAGES, n_iter), in order
+            _drain_dq(t, dq_smem, dq_bars, dq_desc, h, q_row, DQ_BUFS)
 
     @gluon.jit
     def _step(i, j, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
-              dq_smem, dq_bars, stat_smem, lse_row, delta_row, dq_row, kv_rows, qk_scale, sm_scale,
-              WG: gl.constexpr, HEADS_Q: gl.constexpr, STAGES: gl.constexpr, ATOMIC_VEC: gl.constexpr,
-              MASK: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr, LSE_SMEM: gl.constexpr):
-        """Q tile j (the i-th of this program): dK, dV updated, dQ_j's share added to dq_accum (DQ_MODE 1 / 2:
-        handed to the producer through dq_smem instead)."""
+              dq_smem, dq_bars, stat_smem, kv_rows, qk_scale, sm_scale, WG: gl.constexpr, MASK: gl.constexpr,
+              DQ_BUFS: gl.constexpr):
+        """Q tile j (the i-th of this program): dK, dV updated, this warpgroup's half of dQ_j handed to the
+        producer through dq_smem."""
         dtype: gl.constexpr = q_smem.dtype
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_M, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        s = i % STAGES
+        s = i % _STAGES
         q_s = q_smem.index(s)
         do_s = do_smem.index(s)
         cols = j * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=col_s)    # query rows = columns of S^T
-        if not LSE_SMEM:
-            # lse2_j / Delta_j are loaded compactly (one float per thread) and spread to the column layout of
-            # S^T (16 floats per thread) only where used: they would otherwise hold 32 registers across the
-            # matmuls, where this warpgroup peaks at 240.
-            vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-            q_rows = j * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
-            lse2_c = gl.load(lse_row + q_rows)
-            delta_c = gl.load(delta_row + q_rows)
         zero = gl.zeros([_WG_N, _BLOCK_M], gl.float32, s_layout)
 
-        mbarrier.wait(q_ready.index(s), (i // STAGES) & 1)
-        if LSE_SMEM == 2:   # the producer's copy (complete with this q_ready phase), read before the matmuls'
-            lse2 = stat_smem.index(s).load(col_s)   # operand reads queue up ahead of it in shared memory
+        mbarrier.wait(q_ready.index(s), (i // _STAGES) & 1)
+        # lse2_j: the producer's copy (complete with this q_ready phase), read in the layout it is used in, and
+        # before the matmuls are issued: their operand reads would queue up ahead of it in shared memory.
+        lse2 = stat_smem.index(s).load(col_s)
         s_tok = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(s), (i // STAGES) & 1)
+        mbarrier.wait(do_ready.index(s), (i // _STAGES) & 1)
         dp_tok = warpgroup_mma(v_wg, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-        if LSE_SMEM == 1:
-            lse2 = stat_smem.index(s).load(col_s)
-        elif LSE_SMEM == 0:
-            lse2 = gl.convert_layout(lse2_c, col_s)
         s_t = warpgroup_mma_wait(1, deps=[s_tok])                 # dP^T keeps running
-        # Causal diagonal: key kv visible to query row q iff kv <= q.  MASK 1: always (the diagonal loop);
-        # 2: at run time on the program's first two Q tiles (one loop body: fewer registers for ptxas).
-        if MASK == 1:
-            s_t = gl.where(cols[None, :] >= kv_rows[:, None], s_t, float("-inf"))
-        elif MASK == 2:
+        # Causal diagonal (MASK): key kv visible to query row q iff kv <= q, masked at run time on the
+        # program's first two Q tiles (one loop body: fewer registers for ptxas than a peeled loop).
+        if MASK:
             if i < 2:
                 s_t = gl.where(cols[None, :] >= kv_rows[:, None], s_t, float("-inf"))
         p_t = gl.exp2(s_t * qk_scale - lse2[None, :]).to(dtype)
         dv_tok = warpgroup_mma(gl.convert_layout(p_t, p_layout), do_s, dv, is_async=True)
-        if LSE_SMEM:
-            delta = stat_smem.index(STAGES + s).load(col_s)   # already times softmax_scale
-        else:
-            delta = gl.convert_layout(delta_c * sm_scale, col_s)
+        delta = stat_smem.index(_STAGES + s).load(col_s)          # already times softmax_scale
         dp_t = warpgroup_mma_wait(1, deps=[dp_tok])               # dV keeps running
         # dS from the rounded P that dV used (as torch's low-precision math): P fp32 would hold 16 more
         # registers per thread across the dP wait, where this warpgroup peaks at 240.
@@ -311,37 +253,18 @@ if gluon is not None:
         dk, dq = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok])
         mbarrier.arrive(qdo_empty.index(s), count=1)              # Q_j, dO_j no longer read by this warpgroup
 
-        if DQ_MODE != 0:   # this warpgroup's half of dQ_j into dq_smem; the protocol is in _drain_dq's docstring
-            u = i % DQ_BUFS
-            mbarrier.wait(dq_bars.index(DQ_BUFS + u), ((i // DQ_BUFS) & 1) ^ 1)   # buffer u's previous tile drained
-            if DQ_MODE == 2:
-                dq_smem.index(2 * u + WG).store(dq)
-                fence_async_shared()                              # generic-proxy stores -> the TMA's reads
-            else:
-                dq_smem.slice(WG * (_HEAD_DIM // 2), _HEAD_DIM // 2, dim=1).store(dq)
-            mbarrier.arrive(dq_bars.index(u), count=1)            # (after a barrier of this warpgroup)
-            return dk, dv
-        # dq_accum[row, 64 WG + c] += dq[row, c]  (relaxed: only the final sums matter)
-        if ATOMIC_VEC == 4:
-            a_layout: gl.constexpr = gl.BlockedLayout([1, 4], [2, 16], [4, 1], [1, 0])
-            dq = gl.convert_layout(dq, a_layout)
-        else:
-            a_layout: gl.constexpr = s_layout
-        # dq_accum is [B, Sq, Hq, D] with Hq a compile-time constant: the per-thread offsets below are
-        # immediates of the REDG instructions (as a run-time stride they were registers ptxas spilled).
-        row_stride: gl.constexpr = HEADS_Q * _HEAD_DIM
-        dq_tile = dq_row + j.to(gl.int64) * (_BLOCK_M * row_stride)
-        rows = gl.arange(0, _BLOCK_M, layout=gl.SliceLayout(1, a_layout))
-        dcols = WG * (_HEAD_DIM // 2) + gl.arange(0, _HEAD_DIM // 2, layout=gl.SliceLayout(0, a_layout))
-        gl.atomic_add(dq_tile + (rows[:, None] * row_stride + dcols[None, :]), dq, sem="relaxed")
+        # This warpgroup's half of dQ_j into dq_smem buffer u (the protocol: _drain_dq's docstring).
+        u = i % DQ_BUFS
+        mbarrier.wait(dq_bars.index(DQ_BUFS + u), ((i // DQ_BUFS) & 1) ^ 1)   # buffer u's previous tile drained
+        dq_smem.index(2 * u + WG).store(dq)
+        fence_async_shared()                                      # generic-proxy stores -> the TMA's reads
+        mbarrier.arrive(dq_bars.index(u), count=1)                # (after a barrier of this warpgroup)
         return dk, dv
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
-                  dq_smem, dq_bars, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale,
-                  sm_scale, WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, STAGES: gl.constexpr,
-                  ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr, DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr,
-                  LSE_SMEM: gl.constexpr, stat_smem):
+                  dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                  WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFS: gl.constexpr):
         """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, 128]."""
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, _HEAD_DIM, 16])
@@ -353,9 +276,6 @@ if gluon is not None:
         h = pid_bh % HEADS_Q
         kv0 = pid_n * _BLOCK_N + WG * _WG_N
         kv_rows = kv0 + gl.arange(0, _WG_N, layout=gl.SliceLayout(1, s_layout))
-        lse_row = lse_ptr + pid_bh.to(gl.int64) * seqlen_q
-        delta_row = delta_ptr + pid_bh.to(gl.int64) * seqlen_q
-        dq_row = dq_ptr + (b.to(gl.int64) * seqlen_q * HEADS_Q + h) * _HEAD_DIM     # dq_accum[b, 0, h, 0]
         k_wg = k_smem.slice(WG * _WG_N, _WG_N)
         v_wg = v_smem.slice(WG * _WG_N, _WG_N)
         k_half = k_smem.slice(WG * (_HEAD_DIM // 2), _HEAD_DIM // 2, dim=1)
@@ -363,22 +283,15 @@ if gluon is not None:
         dv = gl.zeros([_WG_N, _HEAD_DIM], gl.float32, acc_layout)
         j0, n_iter = _q_tiles(seqlen_q, CAUSAL)
         mbarrier.wait(kv_ready, 0)
-        i0 = 0
-        if CAUSAL and PEEL:  # the two Q tiles on the diagonal carry the mask; every later one is fully visible
-            for i in range(2):   # a loop of its own (not unrolled): one copy of the masked step
-                dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
-                               qdo_empty, ds_ready, dq_smem, dq_bars, stat_smem, lse_row, delta_row, dq_row,
-                               kv_rows, qk_scale, sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 1, DQ_MODE, DQ_BUFS,
-                               LSE_SMEM)
-            i0 = 2
-        for i in range(i0, n_iter):
+        for i in range(n_iter):
             dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
-                           qdo_empty, ds_ready, dq_smem, dq_bars, stat_smem, lse_row, delta_row, dq_row, kv_rows,
-                           qk_scale, sm_scale, WG, HEADS_Q, STAGES, ATOMIC_VEC, 2 if CAUSAL and not PEEL else 0,
-                           DQ_MODE, DQ_BUFS, LSE_SMEM)
+                           qdo_empty, ds_ready, dq_smem, dq_bars, stat_smem, kv_rows, qk_scale, sm_scale, WG,
+                           CAUSAL, DQ_BUFS)
 
         # Epilogue: dK, dV rows of query head h into [B, Sk, Hq, D]: dk / dv themselves without GQA, else
-        # float32 partials.  One int64 scalar plus int32 per-thread offsets that fold into immediates.
+        # float32 partials.  Hq is a compile-time constant: with constant row strides the per-thread offsets
+        # fold into instruction immediates (as run-time strides they were registers that ptxas spilled); one
+        # int64 scalar for the tile.
         row_stride: gl.constexpr = HEADS_Q * _HEAD_DIM
         tile = (b.to(gl.int64) * seqlen_k + kv0) * row_stride + h * _HEAD_DIM
         rows = gl.arange(0, _WG_N, layout=gl.SliceLayout(1, acc_layout))
@@ -388,45 +301,34 @@ if gluon is not None:
         gl.store(dv_ptr + tile + offs, dv.to(dv_ptr.dtype.element_ty))
 
     @gluon.jit
-    def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr,
-                         seqlen_q, seqlen_k, group, qk_scale, sm_scale, HEADS_Q: gl.constexpr,
-                         CAUSAL: gl.constexpr, STAGES: gl.constexpr, ATOMIC_VEC: gl.constexpr, PEEL: gl.constexpr,
-                         DQ_MODE: gl.constexpr, DQ_BUFS: gl.constexpr, LSE_SMEM: gl.constexpr):
+    def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
+                         seqlen_k, group, qk_scale, sm_scale, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr,
+                         DQ_BUFS: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         k_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, _HEAD_DIM], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, _HEAD_DIM], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, _HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, _HEAD_DIM], do_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK_M, _HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK_M, _HEAD_DIM], do_desc.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, _BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_N, _BLOCK_M], ds_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+        qdo_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
-        for i in gl.static_range(STAGES):
-            mbarrier.init(q_ready.index(i), count=2 if LSE_SMEM else 1)   # LSE_SMEM: + the producer's arrival
+        for i in gl.static_range(_STAGES):
+            mbarrier.init(q_ready.index(i), count=2)     # the copy engine's bytes + the producer's lse2 / Delta
             mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(qdo_empty.index(i), count=2)   # one arrive per consumer warpgroup
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)    # both halves of dS^T written
-        if DQ_MODE == 2:  # dQ_j [64, 128] float32 as two [64, 64] halves in TMA's layout (the dq_accum descriptor's)
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS, _BLOCK_M, _HEAD_DIM // 2], dq_desc.layout)
-        elif DQ_MODE == 1:  # dQ_j [64, 128] float32 for the producer's atomics (the handshake: _drain_dq)
-            # 32-byte groups XOR-swizzled by row % 4: a half-warp's 8-byte accumulator stores (4 rows x 32 bytes)
-            # hit 4 different bank octets, and the producer's 16-byte reads stay contiguous: no bank conflicts
-            # either side.  (Unswizzled: 4-way conflicts on the stores; padded rows: the producer spills.)
-            dq_layout: gl.constexpr = gl.SwizzledSharedLayout(8, 1, 4, [1, 0])
-            dq_smem = gl.allocate_shared_memory(gl.float32, [_BLOCK_M, _HEAD_DIM], dq_layout)
-        else:             # not used: a stand-in for the argument (no shared memory spent)
-            dq_smem = ds_smem
-        if LSE_SMEM:   # lse2 rows of stage s at index s, Delta * softmax_scale rows at STAGES + s
-            # (a rank-1 layout: the leading dimension only indexes the rows)
-            stat_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, _BLOCK_M],
-                                                  gl.SwizzledSharedLayout(1, 1, 1, [0]))
-        else:
-            stat_smem = ds_smem   # not used: a stand-in for the argument
+        # dQ_j [64, 128] float32 as two [64, 64] halves in TMA's layout (the dq_accum descriptor's), per buffer
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS, _BLOCK_M, _HEAD_DIM // 2], dq_desc.layout)
+        # lse2 rows of stage s at index s, Delta * softmax_scale rows at STAGES + s (a rank-1 layout: the
+        # leading dimension only indexes the rows)
+        stat_smem = gl.allocate_shared_memory(gl.float32, [2 * _STAGES, _BLOCK_M],
+                                              gl.SwizzledSharedLayout(1, 1, 1, [0]))
         dq_bars = gl.allocate_shared_memory(gl.int64, [2 * DQ_BUFS, 1], mbarrier.MBarrierLayout())
         for u in gl.static_range(DQ_BUFS):
             mbarrier.init(dq_bars.index(u), count=2)             # dq_full[u]: one arrive per consumer warpgroup
@@ -434,16 +336,14 @@ if gluon is not None:
         # Argument tuples are written inline: bound to a local first, their constexprs turn into tensors.
         gl.warp_specialize([
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready,
-                         do_ready, qdo_empty, dq_smem, dq_bars, dq_ptr, dq_desc, stat_smem, lse_ptr, delta_ptr,
-                         sm_scale, seqlen_q, seqlen_k, group, HEADS_Q, CAUSAL, STAGES, DQ_MODE, DQ_BUFS, LSE_SMEM)),
+                         do_ready, qdo_empty, dq_smem, dq_bars, dq_desc, stat_smem, lse_ptr, delta_ptr, sm_scale,
+                         seqlen_q, seqlen_k, group, HEADS_Q, CAUSAL, DQ_BUFS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
-                         dq_smem, dq_bars, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k,
-                         qk_scale, sm_scale, 0, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS,
-                         LSE_SMEM, stat_smem)),
+                         dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale, 0,
+                         HEADS_Q, CAUSAL, DQ_BUFS)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
-                         dq_smem, dq_bars, lse_ptr, delta_ptr, dq_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k,
-                         qk_scale, sm_scale, 1, HEADS_Q, CAUSAL, STAGES, ATOMIC_VEC, PEEL, DQ_MODE, DQ_BUFS,
-                         LSE_SMEM, stat_smem)),
+                         dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale, 1,
+                         HEADS_Q, CAUSAL, DQ_BUFS)),
         ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
 
     _launch = DirectLauncher(_attn_bwd_hopper)
@@ -462,7 +362,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     when given (contiguous, q's / k's / v's dtype).  None when the kernel fails to compile here (the
     caller then runs the Triton kernels).  `out` is unused (Delta carries it).  warmup=True compiles
     without launching and returns the compiled kernel (bench/gluon_bwd_probe.py)."""
-    stages, vec, peel, dq_mode, dq_bufs, lse_smem = VARIANTS[variant]
+    dq_bufs = VARIANTS[variant]
     b, sq, hq, d = q.shape
     sk = k.shape[1]
     group = spec.group_size
@@ -475,13 +375,12 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
         dk_out = dk if dk is not None else torch.empty_like(k)
         dv_out = dv if dv is not None else torch.empty_like(v)
     grid = (sk // BLOCK_N, b * hq)
-    # dq_accum's descriptor: [64, 64] float32 boxes (one warpgroup's half of dQ_j), for DQ_MODE 2's reduce-adds.
+    # dq_accum's descriptor: [64, 64] float32 boxes (one warpgroup's half of dQ_j), for the reduce-adds.
     args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
-            _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dq_accum, dk_out, dv_out, sq, sk, group,
+            _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dk_out, dv_out, sq, sk, group,
             spec.softmax_scale * LOG2E, spec.softmax_scale)
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and causal.
-    meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, STAGES=stages, ATOMIC_VEC=vec, PEEL=peel, DQ_MODE=dq_mode,
-                DQ_BUFS=dq_bufs, LSE_SMEM=lse_smem, num_warps=4)
+    meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, DQ_BUFS=dq_bufs, num_warps=4)
     if warmup:
         return _launch.compile(grid, args, meta)
     key = (q.dtype, spec.causal, q.device)

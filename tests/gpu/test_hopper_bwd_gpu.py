@@ -1,5 +1,5 @@
 """GPU tier of the Hopper backward (kernels/attn_bwd_hopper.py, Gluon, FlashAttention-3's 5-matmul schedule
-with dQ summed by atomics): skipped unless the GPU is an sm_90 part.  The kernel serves a subset of
+with dQ summed by TMA reduce-adds): skipped unless the GPU is an sm_90 part.  The kernel serves a subset of
 backward calls inside the `triton` backend (deterministic=False only), so each test checks both that the
 call was served by it (or, for the cases it must decline, that it was not) and the gradients under the
 conformance tolerance rule."""
@@ -47,11 +47,10 @@ def test_served_calls_conform(case, dtype, served):
     assert served, "the Hopper backward did not serve this call"
 
 
-# Candidate variants (attn_bwd_hopper.VARIANTS, not the library's DEFAULT) whose synchronisation or loads
-# differ from it: one dQ buffer, lse / Delta loaded by the consumers (s2_tma), lse2 read where it is used
-# (s2_tma2_ls), dQ atomics issued by the consumers (s2_v4).  Programs with 2 Q tiles (causal, last K/V tile; one-tile
-# case), many tiles (Sq > Sk, 8-tile causal MQA) and GQA.
-CANDIDATES = ["s2_tma", "s2_tma2_ls", "s2_v4"]
+# Candidate variants (attn_bwd_hopper.VARIANTS, not the library's DEFAULT) whose synchronisation differs from
+# it: one dQ buffer (s2_tma_lse), so the consumers wait for every drain.  Programs with 2 Q tiles (causal,
+# last K/V tile; one-tile case), many tiles (Sq > Sk, 8-tile causal MQA) and GQA.
+CANDIDATES = ["s2_tma_lse"]
 CANDIDATE_CASES = [SERVED[1], SERVED[2], SERVED[4], SERVED[5], SERVED[6]]
 
 
@@ -67,7 +66,7 @@ def test_candidate_variants_conform(case, variant, served, monkeypatch):
 
 
 DECLINED = [
-    Case(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, causal=True, deterministic=True),   # atomics: never
+    Case(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, causal=True, deterministic=True),   # unordered dQ sums: never
     Case(b=1, sq=200, sk=256, hq=2, hkv=2, d=128),                   # not a multiple of 128
     Case(b=1, sq=256, sk=384, hq=2, hkv=2, d=128, causal=True),      # causal with Sq != Sk
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, noncontig=True),   # strided: no TMA view
