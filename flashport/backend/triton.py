@@ -112,8 +112,9 @@ class TritonBackend(dispatch.Backend):
                                       "FlashAttention-3's schedule (FLASHPORT_HOPPER_FWD=0: off)",
                     "hopper_backward": "sm_90: D=128 bf16/fp16 contiguous backward with deterministic=False, lengths a "
                                        "multiple of 128, no window/softcap/ALiBi/dropout: Gluon kernel with FA3's "
-                                       "5-matmul schedule, dQ summed with float32 atomics (FLASHPORT_HOPPER_BWD=0: "
-                                       "off; deterministic=True keeps the atomic-free Triton kernels)"}
+                                       "5-matmul schedule, dQ summed into float32 by TMA reduce-adds "
+                                       "(FLASHPORT_HOPPER_BWD=0: off; deterministic=True keeps the bitwise "
+                                       "reproducible Triton kernels)"}
 
     def availability(self) -> list[str]:
         return list(_availability(_interpreting()))

@@ -7,6 +7,8 @@
   and the launch arguments shared by forward and backward.
 - tuning: launch configs (interpreter config, tuned table in flashport/configs, autotune).
 - decode / splitkv / merge: the KV-cache (split-KV) decode kernels and the state merge.
+- attn_fwd_hopper / attn_bwd_hopper: Gluon (sm_90) forward and backward with FlashAttention-3's
+  schedules; launch: their direct launches (the JIT once per specialisation class).
 
 Nothing is imported here on purpose: `triton.jit` decides at decoration time whether a kernel is
 compiled or interpreted (TRITON_INTERPRET=1), so kernel modules are imported on first use.
