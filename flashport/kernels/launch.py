@@ -37,6 +37,11 @@ class Desc:
         return TensorDescriptor.from_tensor(self.base.view(self.shape), list(self.block_shape), self.layout)
 
 
+def _jit_args(args) -> list:
+    """args with each Desc replaced by the TensorDescriptor the JIT binds."""
+    return [a.real() if isinstance(a, Desc) else a for a in args]
+
+
 def _spec_class(x):
     if isinstance(x, Desc):
         return (x.base.dtype, x.block_shape, x.layout)
@@ -60,8 +65,7 @@ class DirectLauncher:
 
     def compile(self, grid, args, meta):
         """The compiled kernel for these arguments (JIT: compiles on a miss, raises what the compiler raises)."""
-        real = [a.real() if isinstance(a, Desc) else a for a in args]
-        kernel = self.jit_fn.warmup(*real, grid=grid, **meta)
+        kernel = self.jit_fn.warmup(*_jit_args(args), grid=grid, **meta)
         return kernel.result() if hasattr(kernel, "result") else kernel
 
     def __call__(self, grid, args, meta):
@@ -69,8 +73,7 @@ class DirectLauncher:
         key = (device, tuple(meta.items()), tuple(_spec_class(a) for a in args))
         entry = self._compiled.get(key)
         if entry is None or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
-            real = [a.real() if isinstance(a, Desc) else a for a in args]
-            kernel = self.jit_fn[grid](*real, **meta)
+            kernel = self.jit_fn[grid](*_jit_args(args), **meta)
             if entry is None:
                 names = self.jit_fn.arg_names
                 constexprs = tuple(meta[n] for n in names[len(args):])   # every one after the plain args
