@@ -2,14 +2,17 @@
 machine without a GPU, correctness and speed on an H100/H200.
 
     python bench/gluon_bwd_probe.py --compile-only [--out r.json]  # no GPU: sm_90a registers/spills/SASS
-    PYTHONPATH=. python bench/gluon_bwd_probe.py --out $OUT/gluon_bwd.json   # H200: check + time (< 4 min)
+    PYTHONPATH=. python bench/gluon_bwd_probe.py --out $OUT/gluon_bwd.json   # H200: check + time (< 5 min)
+
+Every variant runs at each head dim it declares (attn_bwd_hopper.Tiles.head_dims); --library-default
+keeps the library's variant per head dim (attn_bwd_hopper.DEFAULT), --head-dims a subset of head dims.
 
 GPU mode, in order (a failing kernel is recorded and the probe goes on):
- 1. correctness, every variant of attn_bwd_hopper.VARIANTS, small shapes (causal and not, MHA and GQA, bf16
-    and fp16): dq / dk / dv against float32 autograd on the same inputs.  Pass iff the error is at most
+ 1. correctness, every variant of attn_bwd_hopper.VARIANTS at each of its head dims, small shapes (causal and
+    not, MHA and GQA, bf16 and fp16): dq / dk / dv against float32 autograd on the same inputs.  Pass iff the error is at most
     3x the error of the same math done by torch in the input dtype (the conformance rule for gradients)
     plus 1e-3 x the gradient's magnitude (rounding noise), as tests/conformance.py.
- 2. timing, bf16 D=128: the whole backward as the library runs it (attn_bwd.backward: Delta preprocess +
+ 2. timing, bf16, D=128 and D=64: the whole backward as the library runs it (attn_bwd.backward: Delta preprocess +
     this kernel + dQ cast; "flashport_hopper"), the Triton kernels (FLASHPORT_HOPPER_BWD=0;
     "flashport_triton"), each variant's kernel alone (+ its dQ epilogue, Delta precomputed), SDPA cuDNN and
     SDPA flash backward (autograd.grad on a recorded forward).  TFLOP/s with FlashAttention's convention:
@@ -80,7 +83,8 @@ def _loop_spills(kernel) -> list:
     return [(len(b), sum("LDL" in t for t in b), sum("STL" in t for t in b)) for _, _, b in inner]
 
 
-def compile_only(variants) -> list:
+def compile_only(pairs) -> list:
+    """pairs: [(variant, head dim)]."""
     from compile_report import _HopperTarget, report
     from triton.runtime import driver
 
@@ -89,12 +93,12 @@ def compile_only(variants) -> list:
     rows = []
     cases = [(torch.bfloat16, 1, False), (torch.bfloat16, 1, True), (torch.bfloat16, 2, False),
              (torch.bfloat16, 2, True), (torch.float16, 1, True)]
-    for name in variants:
+    for name, d in pairs:
         for dtype, gqa, causal in cases:
-            q = torch.zeros(1, 256, 2 * gqa, 128, dtype=dtype)
-            k = torch.zeros(1, 256, 2, 128, dtype=dtype)
+            q = torch.zeros(1, 256, 2 * gqa, d, dtype=dtype)
+            k = torch.zeros(1, 256, 2, d, dtype=dtype)
             lse = torch.zeros(1, 2 * gqa, 256)
-            row = {"variant": name, "dtype": str(dtype).split(".")[-1], "gqa": gqa, "causal": causal}
+            row = {"variant": name, "d": d, "dtype": str(dtype).split(".")[-1], "gqa": gqa, "causal": causal}
             try:
                 t0 = time.time()
                 ck = attn_bwd_hopper.backward(_spec(q, k, causal), q, q, k, k, q, lse, lse, variant=name,
@@ -106,11 +110,12 @@ def compile_only(variants) -> list:
                 row["error"] = f"{type(e).__name__}: {str(e)[:2000]}"
             rows.append(row)
             if "error" in row:
-                print(f"{name:7} {row['dtype']:8} gqa={gqa} causal={causal:d} FAILED {row['error'][:600]}", flush=True)
+                print(f"{name:7} D={d} {row['dtype']:8} gqa={gqa} causal={causal:d} FAILED {row['error'][:600]}",
+                      flush=True)
                 continue
             s = row["sass"]
             ok = row["stack_bytes"] == 0 and s["LDL"] + s["STL"] == 0 and row["shared_bytes"] <= SMEM_LIMIT
-            print(f"{name:7} {row['dtype']:8} gqa={gqa} causal={causal:d} regs={row['registers']} "
+            print(f"{name:7} D={d} {row['dtype']:8} gqa={gqa} causal={causal:d} regs={row['registers']} "
                   f"max_reg={row.get('max_register_used')} stack={row['stack_bytes']} LDL/STL={s['LDL']}/{s['STL']} "
                   f"smem={row['shared_bytes']} HGMMA={s['HGMMA']} REDG={s['REDG']} ATOMG={s['ATOMG']} "
                   f"{'clean' if ok else 'NOT CLEAN (spills or smem)'}; per-Q-tile loops (instrs, LDL, STL): "
@@ -142,27 +147,28 @@ def _rel_diffs(grads, ref) -> dict:
             for n, a, r in zip(("dq", "dk", "dv"), grads, ref)}
 
 
-def check(variants, dev) -> list:
-    """Every variant on every shape (they differ in their synchronisation, which every shape exercises)."""
+def check(pairs, dev) -> list:
+    """Every (variant, head dim) pair on every shape (the variants differ in their synchronisation, which every
+    shape exercises)."""
     from flashport.kernels import attn_bwd_hopper
     rows = []
     shapes = [(2, 256, 4, 4, False, torch.bfloat16), (2, 512, 4, 2, True, torch.bfloat16),
               (2, 512, 4, 2, False, torch.bfloat16), (2, 256, 4, 4, True, torch.bfloat16),
               (1, 384, 8, 2, True, torch.float16), (2, 512, 4, 4, False, torch.float16)]
-    for b, s, hq, hkv, causal, dtype in shapes:
+    for (b, s, hq, hkv, causal, dtype), d in ((shape, d) for d in sorted({d for _, d in pairs}) for shape in shapes):
         torch.manual_seed(0)
-        q = torch.randn(b, s, hq, 128, device=dev, dtype=dtype)
-        k, v = (torch.randn(b, s, hkv, 128, device=dev, dtype=dtype) for _ in range(2))
-        do = torch.randn(b, s, hq, 128, device=dev, dtype=dtype)
-        scale = 1 / math.sqrt(128)
+        q = torch.randn(b, s, hq, d, device=dev, dtype=dtype)
+        k, v = (torch.randn(b, s, hkv, d, device=dev, dtype=dtype) for _ in range(2))
+        do = torch.randn(b, s, hq, d, device=dev, dtype=dtype)
+        scale = 1 / math.sqrt(d)
         out32, lse32, *g32 = _reference(q, k, v, do, causal, scale, torch.float32)
         _, _, *glow = _reference(q, k, v, do, causal, scale, dtype)
         out = out32.to(dtype).contiguous()
         lse2 = (lse32 / math.log(2)).contiguous()
         delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
         spec = _spec(q, k, causal)
-        for name in variants:
-            row = {"variant": name, "B": b, "S": s, "Hq": hq, "Hkv": hkv, "causal": causal,
+        for name in (n for n, dn in pairs if dn == d):
+            row = {"variant": name, "B": b, "S": s, "Hq": hq, "Hkv": hkv, "D": d, "causal": causal,
                    "dtype": str(dtype).split(".")[-1]}
             try:
                 got = attn_bwd_hopper.backward(spec, do, q, k, v, out, lse2, delta, variant=name)
@@ -184,93 +190,102 @@ def check(variants, dev) -> list:
             rows.append(row)
             errs = " ".join(f"{n}={row[n]['err']:.2e}(bound {row[n]['bound']:.2e})" for n in ("dq", "dk", "dv")
                             if n in row)
-            print(f"check {name:7} B={b} S={s} H={hq}/{hkv} causal={causal:d} {row['dtype']:8} "
+            print(f"check {name:7} B={b} S={s} H={hq}/{hkv} D={d} causal={causal:d} {row['dtype']:8} "
                   f"{'PASS' if row['pass'] else 'FAIL'} {errs} {row.get('error', '')}", flush=True)
     return rows
 
 
-def bench(variants, dev, rep, deadline) -> list:
+def bench(pairs, dev, rep, deadline) -> list:
+    rows = []
+    shapes = {128: [(4, 4096, 16, 16, False), (4, 4096, 16, 16, True), (1, 16384, 16, 16, False),
+                    (1, 16384, 16, 16, True), (1, 8192, 32, 8, True)],
+              64: [(16, 1024, 32, 32, False), (4, 4096, 32, 32, False), (4, 4096, 32, 32, True),
+                   (1, 16384, 32, 32, False)]}   # the standard set's heads at D=64
+    for d in sorted({d for _, d in pairs}, reverse=True):
+        for b, s, hq, hkv, causal in shapes[d]:
+            rows += _bench_shape(b, s, hq, hkv, d, causal, [n for n, dn in pairs if dn == d], dev, rep, deadline)
+    return rows
+
+
+def _bench_shape(b, s, hq, hkv, d, causal, variants, dev, rep, deadline) -> list:
+    """One shape: the library's backward, the Triton kernels, each variant's kernel, SDPA cuDNN / flash."""
     from triton.testing import do_bench
 
     from flashport.kernels import attn_bwd, attn_bwd_hopper, attn_fwd
     from torch.nn.attention import SDPBackend, sdpa_kernel
     rows = []
-    shapes = [(4, 4096, 16, 16, False), (4, 4096, 16, 16, True), (1, 16384, 16, 16, False),
-              (1, 16384, 16, 16, True), (1, 8192, 32, 8, True)]
-    for b, s, hq, hkv, causal in shapes:
-        torch.manual_seed(0)
-        dtype = torch.bfloat16
-        q = torch.randn(b, s, hq, 128, device=dev, dtype=dtype)
-        k, v = (torch.randn(b, s, hkv, 128, device=dev, dtype=dtype) for _ in range(2))
-        do = torch.randn(b, s, hq, 128, device=dev, dtype=dtype)
-        spec = _spec(q, k, causal)
-        flops = 2.5 * 4 * b * hq * s * s * 128 / (2 if causal else 1)
-        out, _, lse2 = attn_fwd.forward(spec, q, k, v)
-        delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
-        head = f"B={b} S={s} H={hq}/{hkv} causal={causal:d}"
-        results = {}
-        why = attn_bwd_hopper.reasons(spec, q, k, v, do)
-        if why:   # flashport_hopper would then time the Triton kernels: say so
-            print(f"NOTE  {head}: the Hopper backward declines this call: {why}", flush=True)
+    torch.manual_seed(0)
+    dtype = torch.bfloat16
+    q = torch.randn(b, s, hq, d, device=dev, dtype=dtype)
+    k, v = (torch.randn(b, s, hkv, d, device=dev, dtype=dtype) for _ in range(2))
+    do = torch.randn(b, s, hq, d, device=dev, dtype=dtype)
+    spec = _spec(q, k, causal)
+    flops = 2.5 * 4 * b * hq * s * s * d / (2 if causal else 1)
+    out, _, lse2 = attn_fwd.forward(spec, q, k, v)
+    delta = (do.float() * out.float()).sum(-1).transpose(1, 2).contiguous()
+    head = f"B={b} S={s} H={hq}/{hkv} D={d} causal={causal:d}"
+    results = {}
+    why = attn_bwd_hopper.reasons(spec, q, k, v, do)
+    if why:   # flashport_hopper would then time the Triton kernels: say so
+        print(f"NOTE  {head}: the Hopper backward declines this call: {why}", flush=True)
 
-        def hopper_full():
+    def hopper_full():
+        return attn_bwd.backward(spec, do, q, k, v, out, lse2)
+
+    def triton_full():
+        with mock.patch.dict(os.environ, {"FLASHPORT_HOPPER_BWD": "0"}):
             return attn_bwd.backward(spec, do, q, k, v, out, lse2)
 
-        def triton_full():
-            with mock.patch.dict(os.environ, {"FLASHPORT_HOPPER_BWD": "0"}):
-                return attn_bwd.backward(spec, do, q, k, v, out, lse2)
-
-        cases = [("flashport_hopper", hopper_full), ("flashport_triton", triton_full)]
-        cases += [(f"kernel_{n}", (lambda n=n: attn_bwd_hopper.backward(spec, do, q, k, v, out, lse2, delta,
-                                                                         variant=n))) for n in variants]
-        for label, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
-            def sdpa_bwd(backend=backend):
-                qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
-                with sdpa_kernel(backend):
-                    o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
-                                                                         enable_gqa=hq != hkv)
-                gt = do.transpose(1, 2)
-                return lambda: torch.autograd.grad(o, (qt, kt, vt), gt, retain_graph=True)
-            cases.append((label, sdpa_bwd))
-        for name, fn in cases:
-            row = {"impl": name, "B": b, "S": s, "Hq": hq, "Hkv": hkv, "causal": causal}
-            if name == "flashport_hopper":
-                row["declined"] = why
-            if name.startswith("kernel_") and time.time() > deadline:
-                row["error"] = "skipped: past the probe's time budget (--budget)"
-                rows.append(row)
-                continue
-            try:
-                call = fn() if name.startswith("sdpa") else fn
-                res = call()
-                if name in ("flashport_hopper", "flashport_triton"):
-                    results[name] = res
-                elif name.startswith("kernel_") and "flashport_triton" in results:
-                    # each variant's gradients at this size too (many Q tiles per program: every barrier phase)
-                    row["rel_diff_vs_triton"] = _rel_diffs(res, results["flashport_triton"])
-                ms = do_bench(call, warmup=10, rep=rep, return_mode="median")
-                row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
-                del res
-            except Exception as e:  # noqa: BLE001 - record and go on
-                row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+    cases = [("flashport_hopper", hopper_full), ("flashport_triton", triton_full)]
+    cases += [(f"kernel_{n}", (lambda n=n: attn_bwd_hopper.backward(spec, do, q, k, v, out, lse2, delta,
+                                                                     variant=n))) for n in variants]
+    for label, backend in (("sdpa_cudnn", SDPBackend.CUDNN_ATTENTION), ("sdpa_flash", SDPBackend.FLASH_ATTENTION)):
+        def sdpa_bwd(backend=backend):
+            qt, kt, vt = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+            with sdpa_kernel(backend):
+                o = torch.nn.functional.scaled_dot_product_attention(qt, kt, vt, is_causal=causal,
+                                                                     enable_gqa=hq != hkv)
+            gt = do.transpose(1, 2)
+            return lambda: torch.autograd.grad(o, (qt, kt, vt), gt, retain_graph=True)
+        cases.append((label, sdpa_bwd))
+    for name, fn in cases:
+        row = {"impl": name, "B": b, "S": s, "Hq": hq, "Hkv": hkv, "D": d, "causal": causal}
+        if name == "flashport_hopper":
+            row["declined"] = why
+        if name.startswith("kernel_") and time.time() > deadline:
+            row["error"] = "skipped: past the probe's time budget (--budget)"
             rows.append(row)
-            tf = f"{row['tflops']:7.1f}" if "tflops" in row else "      -"
-            rd = " vs triton " + " ".join(f"{n}={d:.1e}" for n, d in row["rel_diff_vs_triton"].items()) \
-                if "rel_diff_vs_triton" in row else ""
-            print(f"time  {name:18} {head} ms={row.get('ms', float('nan')):8.3f} TFLOP/s={tf}{rd} "
-                  f"{row.get('error', '')}", flush=True)
-        if len(results) == 2:
-            diffs = _rel_diffs(results["flashport_hopper"], results["flashport_triton"])
-            rows.append({"impl": "hopper_vs_triton_rel_diff", "B": b, "S": s, "Hq": hq, "Hkv": hkv, "causal": causal,
-                         **diffs})
-            print(f"diff  hopper vs triton {head} " + " ".join(f"{n}={d:.2e}" for n, d in diffs.items()), flush=True)
-        by = {r["impl"]: r.get("tflops") for r in rows if r.get("S") == s and r.get("B") == b
-              and r.get("causal") == causal and r.get("Hq") == hq}
-        if by.get("flashport_hopper") and by.get("sdpa_cudnn"):
-            print(f"ratio flashport_hopper / sdpa_cudnn {head}: {by['flashport_hopper'] / by['sdpa_cudnn']:.3f} "
-                  f"(bar 0.85); triton / cudnn: {(by.get('flashport_triton') or 0) / by['sdpa_cudnn']:.3f}", flush=True)
-        del q, k, v, do, out, lse2, delta, results
-        torch.cuda.empty_cache()
+            continue
+        try:
+            call = fn() if name.startswith("sdpa") else fn
+            res = call()
+            if name in ("flashport_hopper", "flashport_triton"):
+                results[name] = res
+            elif name.startswith("kernel_") and "flashport_triton" in results:
+                # each variant's gradients at this size too (many Q tiles per program: every barrier phase)
+                row["rel_diff_vs_triton"] = _rel_diffs(res, results["flashport_triton"])
+            ms = do_bench(call, warmup=10, rep=rep, return_mode="median")
+            row.update(ms=ms, tflops=flops / (ms * 1e-3) / 1e12)
+            del res
+        except Exception as e:  # noqa: BLE001 - record and go on
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+        rows.append(row)
+        tf = f"{row['tflops']:7.1f}" if "tflops" in row else "      -"
+        rd = " vs triton " + " ".join(f"{n}={d:.1e}" for n, d in row["rel_diff_vs_triton"].items()) \
+            if "rel_diff_vs_triton" in row else ""
+        print(f"time  {name:18} {head} ms={row.get('ms', float('nan')):8.3f} TFLOP/s={tf}{rd} "
+              f"{row.get('error', '')}", flush=True)
+    if len(results) == 2:
+        diffs = _rel_diffs(results["flashport_hopper"], results["flashport_triton"])
+        rows.append({"impl": "hopper_vs_triton_rel_diff", "B": b, "S": s, "Hq": hq, "Hkv": hkv, "D": d,
+                     "causal": causal, **diffs})
+        print(f"diff  hopper vs triton {head} " + " ".join(f"{n}={d:.2e}" for n, d in diffs.items()), flush=True)
+    by = {r["impl"]: r.get("tflops") for r in rows}
+    if by.get("flashport_hopper") and by.get("sdpa_cudnn"):
+        print(f"ratio flashport_hopper / sdpa_cudnn {head}: {by['flashport_hopper'] / by['sdpa_cudnn']:.3f} "
+              f"(bar 0.85); triton / cudnn: {(by.get('flashport_triton') or 0) / by['sdpa_cudnn']:.3f}", flush=True)
+    del q, k, v, do, out, lse2, delta, results
+    torch.cuda.empty_cache()
     return rows
 
 
@@ -279,8 +294,10 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--compile-only", action="store_true", help="compile for sm_90a on CPU and report SASS stats")
     ap.add_argument("--variants", nargs="*", default=None,
-                    help=f"subset of {list(attn_bwd_hopper.VARIANTS)}; default: all with --compile-only, else "
-                         f"all ({attn_bwd_hopper.DEFAULT} is the library's)")
+                    help=f"subset of {list(attn_bwd_hopper.VARIANTS)} (default: all; the library's per head dim: "
+                         f"{attn_bwd_hopper.DEFAULT})")
+    ap.add_argument("--library-default", action="store_true", help="only the library's variant per head dim")
+    ap.add_argument("--head-dims", nargs="*", type=int, default=None, help="subset of the head dims (default: all)")
     ap.add_argument("--budget", type=float, default=200, help="seconds after which per-variant timings are "
                     "skipped (the library path, Triton and SDPA rows always run)")
     ap.add_argument("--skip-check", action="store_true")
@@ -288,16 +305,21 @@ def main(argv=None) -> int:
     ap.add_argument("--out", type=Path, help="write the JSON result here")
     args = ap.parse_args(argv)
     result = {"triton": triton.__version__, "torch": torch.__version__, "default_variant": attn_bwd_hopper.DEFAULT}
+    # (variant, head dim) pairs, the library's default first at each head dim
+    pairs = [(v, d) for d, v in attn_bwd_hopper.DEFAULT.items()]
+    if not args.library_default:
+        pairs += [(v, d) for v, t in attn_bwd_hopper.VARIANTS.items() for d in t.head_dims]
+    pairs = [(v, d) for v, d in dict.fromkeys(pairs) if (args.variants is None or v in args.variants)
+             and (args.head_dims is None or d in args.head_dims)]
     if args.compile_only:
-        result["compile"] = compile_only(args.variants or list(attn_bwd_hopper.VARIANTS))
+        result["compile"] = compile_only(pairs)
     else:
         dev = torch.device("cuda")
         result["device"] = torch.cuda.get_device_name()
         t0 = time.time()
-        variants = args.variants or list(dict.fromkeys([attn_bwd_hopper.DEFAULT, *attn_bwd_hopper.VARIANTS]))
         if not args.skip_check:
-            result["check"] = check(variants, dev)
-        result["bench"] = bench(variants, dev, args.rep, t0 + args.budget)
+            result["check"] = check(pairs, dev)
+        result["bench"] = bench(pairs, dev, args.rep, t0 + args.budget)
         result["wall_s"] = time.time() - t0
         passed = [r["pass"] for r in result.get("check", [])]
         print(f"checks passed: {sum(passed)}/{len(passed)}; wall {result['wall_s']:.0f}s", flush=True)

@@ -29,7 +29,8 @@ def bwd(monkeypatch):
 
 
 @pytest.mark.parametrize("kw, reason", [
-    (dict(d=64), "head dim"),
+    (dict(d=96), "head dim"),
+    (dict(d=256), "head dim"),
     (dict(deterministic=True), "deterministic=True"),
     (dict(dtype=torch.float32), "bfloat16 / float16"),
     (dict(softcap=5.0), "softcap"),
@@ -64,7 +65,8 @@ def test_gate_reaches_the_device_checks_for_a_servable_call(monkeypatch, bwd):
     if bwd.gluon is None:
         pytest.skip("Gluon not installed")
     monkeypatch.setattr(bwd, "_capability", lambda index: (8, 0))
-    for kw in (dict(), dict(causal=True), dict(hq=8, hkv=2), dict(s=256, sk=640), dict(dtype=torch.float16)):
+    for kw in (dict(), dict(causal=True), dict(hq=8, hkv=2), dict(s=256, sk=640), dict(dtype=torch.float16),
+               dict(d=64), dict(d=64, causal=True, hq=8, hkv=1)):
         spec, q, k = _spec(**kw)
         assert "sm_90" in bwd.reasons(spec, q, k, k, q)[0], kw
     monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))
@@ -92,17 +94,21 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, bwd):
     lse = torch.zeros(1, 2, 256)
     with pytest.warns(RuntimeWarning, match="failed to compile"):
         assert bwd.backward(spec, q, q, q, q, q, lse, lse) is None
-    assert "ptxas: unsupported" in bwd.broken[(torch.bfloat16, True, q.device)]
+    assert "ptxas: unsupported" in bwd.broken[(torch.bfloat16, 128, True, q.device)]
     gpu_spec, gq, gk = _spec(causal=True)
-    bwd.broken[(gpu_spec.dtype, True, gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
+    bwd.broken[(gpu_spec.dtype, 128, True, gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
     monkeypatch.setattr(bwd, "enabled", lambda: True)
     assert "failed to compile" in bwd.reasons(gpu_spec, gq, gk, gk, gq)[0]
+    monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))
+    spec64, q64, k64 = _spec(causal=True, d=64)   # another head dim is another compilation
+    assert bwd.reasons(spec64, q64, k64, k64, q64) == []
 
 
-def test_default_variant_compiles_for_sm90a(tmp_path):
+def test_default_variants_compile_for_sm90a(tmp_path):
     """The kernel has no interpreter: this is its CPU-side check, compiled for sm_90a with Triton's bundled
     ptxas (bench/gluon_bwd_probe.py --compile-only, in a subprocess because the interpreter tier sets
-    TRITON_INTERPRET in every test process): bf16 / fp16, causal and not, MHA and GQA all compile to
+    TRITON_INTERPRET in every test process): the library's variant for each head dim, bf16 / fp16, causal
+    and not, MHA and GQA all compile to
     HGMMA (no HMMA), TMA loads, TMA reduce-adds for dQ, setmaxnreg, registers within the
     consumers' 240 and shared memory within sm_90's opt-in.  Spills: ptxas spills a few scalars today (<= 32
     bytes of stack, a handful of LDL per Q tile); the bound catches a change that makes it spill for real."""
@@ -121,11 +127,12 @@ def test_default_variant_compiles_for_sm90a(tmp_path):
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     proc = subprocess.run([sys.executable, str(root / "bench" / "gluon_bwd_probe.py"), "--compile-only",
-                           "--variants", attn_bwd_hopper.DEFAULT, "--out", str(out)], env=env, capture_output=True,
-                          text=True, timeout=600)
+                           "--library-default", "--out", str(out)], env=env, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["compile"]
-    assert len(rows) == 5
+    assert sorted({(r["variant"], r["d"]) for r in rows}) == sorted((v, d) for d, v in attn_bwd_hopper.DEFAULT.items())
+    assert len(rows) == 5 * len(attn_bwd_hopper.DEFAULT)
     for r in rows:
         assert "error" not in r, r["error"]
         s, ops = r["sass"], r.get("sass_ops", {})
@@ -134,4 +141,4 @@ def test_default_variant_compiles_for_sm90a(tmp_path):
         assert any(op.startswith("USETMAXREG") for op in ops), ops
         assert r["max_register_used"] <= attn_bwd_hopper.CONSUMER_REGS, r["max_register_used"]
         assert r["shared_bytes"] <= 232448, r["shared_bytes"]
-        assert r["stack_bytes"] <= 64, (r["dtype"], r["gqa"], r["causal"], r["stack_bytes"])
+        assert r["stack_bytes"] <= 64, (r["d"], r["dtype"], r["gqa"], r["causal"], r["stack_bytes"])

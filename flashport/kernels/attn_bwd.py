@@ -10,7 +10,8 @@ Kernels:
 No addition depends on scheduling, so every backward here is bitwise reproducible.  FlashAttention-2
 instead adds dQ from the dK/dV kernel with float32 atomics (5 matmuls per tile pair instead of 7); that
 variant was built and measured here and lost: docs/PERFLOG.md row 5.  (On sm_90 with deterministic=False,
-`backward` hands D=128 calls to kernels/attn_bwd_hopper.py: FA3's schedule, dQ summed with atomics.)
+`backward` hands D=64 and D=128 calls to kernels/attn_bwd_hopper.py: FA3's schedule, dQ summed with
+TMA reduce-adds.)
 All recompute P = exp2(s2 - lse2) from the saved LSE.  Equivalent PyTorch math:
     dV = (P * Z)^T dO,   dP = (dO V^T) * Z,   dS = P * (dP - Delta) * dsoftcap,
     dQ = scale * dS K,   dK = scale * dS^T Q     (the kernels fold scale into dS)

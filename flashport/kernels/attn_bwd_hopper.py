@@ -12,15 +12,16 @@ One program per (128-row K/V tile n, query head h, batch entry b); grid (Sk / 12
   both consumers once every matmul reading the stage has retired); it also drains dQ_j: one TMA
   reduce-add (cp.reduce.async.bulk.tensor) per warpgroup half from a shared buffer into dq_accum;
 * two consumer warpgroups (240 registers each); warpgroup WG owns K/V rows [64 WG, 64 WG + 64) of the tile
-  and their float32 accumulators dK_wg, dV_wg [64, 128].  Per Q tile j (transposed scores, as attn_bwd.py):
+  and their float32 accumulators dK_wg, dV_wg [64, D].  Per Q tile j (transposed scores, as attn_bwd.py):
       S^T  = K_wg Q_j^T,  dP^T = V_wg dO_j^T                     [64 kv, 64 q], both in flight together
       P^T  = exp2(S^T * qk_scale - lse2_j)                       (the causal mask on the 2 diagonal tiles)
       dV  += P^T dO_j                                            (P^T in registers; issued before dP is waited for)
       dS^T = P^T * (dP^T - Delta_j) * softmax_scale              (P^T as rounded for dV; the scale folded in)
       dS^T -> shared buffer ds[i % 2] (the two warpgroups' halves make the tile's [128 kv, 64 q] dS^T)
       dK  += dS^T Q_j                                            (dS^T read back from shared memory)
-      after an mbarrier (ds_ready: both halves written) warpgroup WG computes dQ_j[:, 64 WG : 64 WG + 64] =
-      dS_j K[:, 64 WG : 64 WG + 64] and stores it into the dQ buffer for the producer (_drain_dq).
+      after an mbarrier (ds_ready: both halves written) warpgroup WG computes its half of dQ_j's columns,
+      dQ_j[:, c] = dS_j K[:, c] for c = [WG D / 2, (WG + 1) D / 2), and stores it into the dQ buffer for the
+      producer (_drain_dq).
   ds is double-buffered: a warpgroup rewrites ds[i % 2] at step i + 2 only after waiting on ds_ready of
   step i + 1, which the other warpgroup signals after its dQ matmul of step i (the last reader) retired.
 Causal (Sq == Sk): K/V tile n meets Q tiles 2n, 2n + 1 (masked) and the unmasked ones after; lower n
@@ -30,12 +31,14 @@ head and summed per group afterwards (as attn_bwd.py); dQ accumulates per query 
 Equivalent PyTorch math (per batch entry and query head, s = softmax_scale, K/V of head h // G):
     P = exp(s * Q K^T - lse);  dV = P^T dO;  dP = dO V^T;  Delta = rowsum(dO * O) (- dlse)
     dS = P * (dP - Delta);     dQ = s * dS K;  dK = s * dS^T Q
-Inputs: q, do [B, Sq, Hq, 128]; k, v [B, Sk, Hkv, 128]; lse2 = lse / ln 2 and Delta [B, Hq, Sq] float32.
+Inputs: q, do [B, Sq, Hq, D]; k, v [B, Sk, Hkv, D] with D = 64 or 128 (one schedule: the head dim changes
+the matmuls' sizes and the shared memory, not the code); lse2 = lse / ln 2 and Delta [B, Hq, Sq] float32.
 """
 from __future__ import annotations
 
 import os
 import warnings
+from typing import NamedTuple
 
 import torch
 import triton
@@ -56,22 +59,28 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 LOG2E = 1.4426950408889634
 TESTED_TRITON = "3.6"   # the Gluon API this kernel is written against (Gluon is experimental upstream)
 MAX_GRID_Y = 65535      # CUDA's limit on the grid's second dimension (here batch * heads)
-HEAD_DIM = 128
 BLOCK_M = 64           # query rows per Q tile (the ring's unit)
 BLOCK_N = 128          # K/V rows per program: 64 per consumer warpgroup
 WG_N = BLOCK_N // 2
-CONSUMER_REGS = 240    # setmaxnreg for the consumer warpgroups (FA3's choice at D = 128)
-STAGES = 2             # depth of the Q / dO ring
-# Variants: the number of dQ_j buffers in shared memory (2: the consumers store dQ_j while the copy engine
-# still reads dQ_{j-1}).  The schedule itself is the fastest of the probe's H200 runs
-# (results/gluon_bwd_probe_h200*.json, PERFLOG rows 19-22): dQ added by the consumers with REDG.ADD (406-413
-# TF/s at S=16384) or by the producer warps with REDG.ADD lost to the TMA reduce-adds (+14-17%); lse2 / Delta
-# loaded by each consumer (a global load and a layout conversion through shared memory, and bf16 spills in
-# the loop) lost to the producer staging them in shared memory, read before the first matmul of a step:
-# s2_tma2_lse read 455-514 TF/s, the best sum over the five cells (2431 vs 2334 for one buffer).  The losing
-# schedules are in the git history (commit 0ea1fe0 and before).
-VARIANTS = {"s2_tma_lse": 1, "s2_tma2_lse": 2}
-DEFAULT = "s2_tma2_lse"
+CONSUMER_REGS = 240    # setmaxnreg for the consumer warpgroups (FA3's choice at D = 64 and 128)
+
+
+class Tiles(NamedTuple):
+    stages: int                 # depth of the Q / dO ring
+    dq_bufs: int                # dQ_j buffers in shared memory (2: stores of dQ_j overlap the drain of dQ_{j-1})
+    head_dims: tuple = (64, 128)   # where it fits: shared memory (sm_90's 227 KiB) and no spills (compile report)
+
+
+# Variants: the ring's depth and the number of dQ_j buffers.  The schedule itself is the fastest of the probe's
+# H200 runs at D=128 (results/gluon_bwd_probe_h200*.json, PERFLOG rows 19-22): dQ added by the consumers with
+# REDG.ADD (406-413 TF/s at S=16384) or by the producer warps with REDG.ADD lost to the TMA reduce-adds
+# (+14-17%); lse2 / Delta loaded by each consumer (a global load and a layout conversion through shared memory,
+# and bf16 spills in the loop) lost to the producer staging them in shared memory, read before the first matmul
+# of a step: s2_tma2_lse read 455-514 TF/s, the best sum over the five cells (2431 vs 2334 for one buffer).  The
+# losing schedules are in the git history (commit 0ea1fe0 and before).
+VARIANTS = {"s2_tma_lse": Tiles(2, 1), "s2_tma2_lse": Tiles(2, 2),
+            "s3_tma2_lse": Tiles(3, 2, (64,))}   # D=128: 258 KiB of shared memory
+DEFAULT = {128: "s2_tma2_lse", 64: "s2_tma2_lse"}   # per head dim (the served ones)
 
 
 def enabled() -> bool:
@@ -82,8 +91,8 @@ def enabled() -> bool:
 def reasons(spec, q, k, v, do, out=None) -> list[str]:
     """Why this kernel cannot serve the backward (empty: it can).  Runs on every backward, so the
     cheapest checks come first and the first failing one is the answer."""
-    if spec.head_dim != HEAD_DIM or spec.head_dim_v != HEAD_DIM:
-        return [f"head dim {HEAD_DIM} only"]
+    if spec.head_dim not in DEFAULT or spec.head_dim_v != spec.head_dim:
+        return [f"head dim {' / '.join(map(str, DEFAULT))} only (q/k and v alike)"]
     if spec.kind != "dense" or spec.device.type != "cuda":
         return ["dense CUDA tensors only"]
     if spec.deterministic:
@@ -95,12 +104,12 @@ def reasons(spec, q, k, v, do, out=None) -> list[str]:
         return [f"sequence lengths must be non-zero multiples of {BLOCK_N}"]
     if spec.batch == 0 or spec.batch * spec.heads_q > MAX_GRID_Y:
         return [f"batch * heads must be in [1, {MAX_GRID_Y}]"]
-    if max(spec.seqlen_q, spec.seqlen_k) * HEAD_DIM >= 2 ** 31:
-        return ["sequence length * 128 must fit in int32 (per-head offsets are 32-bit)"]
+    if max(spec.seqlen_q, spec.seqlen_k) * spec.head_dim >= 2 ** 31:
+        return ["sequence length * head dim must fit in int32 (per-head offsets are 32-bit)"]
     if not enabled():
         return [f"Gluon (Triton {TESTED_TRITON}.x) unavailable or FLASHPORT_HOPPER_BWD=0"]
-    if (spec.dtype, spec.causal, spec.device) in broken:
-        return ["failed to compile here: " + broken[(spec.dtype, spec.causal, spec.device)]]
+    if (spec.dtype, spec.head_dim, spec.causal, spec.device) in broken:
+        return ["failed to compile here: " + broken[(spec.dtype, spec.head_dim, spec.causal, spec.device)]]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return ["needs an sm_90 (Hopper) GPU"]
     tensors = (q, k, v, do) if out is None else (q, k, v, do, out)
@@ -119,8 +128,10 @@ if gluon is not None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                   src.handle)
 
-    _HEAD_DIM, _BLOCK_M, _BLOCK_N = gl.constexpr(HEAD_DIM), gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
-    _WG_N, _CONSUMER_REGS, _STAGES = gl.constexpr(WG_N), gl.constexpr(CONSUMER_REGS), gl.constexpr(STAGES)
+    _BLOCK_M, _BLOCK_N = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
+    _WG_N, _CONSUMER_REGS = gl.constexpr(WG_N), gl.constexpr(CONSUMER_REGS)
+    # The head dim and the ring's depth travel in the shapes (q_smem: [STAGES, BLOCK_M, HEAD_DIM]), so every
+    # partition reads them off its shared-memory descriptors.
 
     @gluon.jit
     def _q_tiles(seqlen_q, CAUSAL: gl.constexpr):
@@ -146,15 +157,16 @@ if gluon is not None:
         fill n were stored, which is after the consumers' wait for fill n - 1.  Every tile is drained exactly
         once (the producer loop drains t = i - STAGES, its epilogue the last min(STAGES, n) tiles), so the
         producer never exits with a store unread and the consumers never wait for a drain that does not come."""
+        HEAD_DIM: gl.constexpr = 2 * dq_smem.shape[2]
         u = t % DQ_BUFS
         mbarrier.wait(dq_bars.index(u), (t // DQ_BUFS) & 1)
-        # dq_smem [2 DQ_BUFS, 64, 64]: warpgroup WG's half of buffer u (index 2 u + WG) goes to columns
-        # [64 WG, 64 WG + 64) of head h.  The consumers fenced their stores for the async proxy; store_wait(0)
+        # dq_smem [2 DQ_BUFS, 64, D / 2]: warpgroup WG's half of buffer u (index 2 u + WG) goes to columns
+        # [WG D / 2, (WG + 1) D / 2) of head h.  The consumers fenced their stores for the async proxy; store_wait(0)
         # returns once the copy engine has read both halves (not once the adds landed: only the kernel's end
         # orders those, and nothing reads dq_accum before it).
         row = q_row0 + t * _BLOCK_M
-        _tma_reduce_add(dq_desc, [row, h * _HEAD_DIM], dq_smem.index(2 * u))
-        _tma_reduce_add(dq_desc, [row, h * _HEAD_DIM + _HEAD_DIM // 2], dq_smem.index(2 * u + 1))
+        _tma_reduce_add(dq_desc, [row, h * HEAD_DIM], dq_smem.index(2 * u))
+        _tma_reduce_add(dq_desc, [row, h * HEAD_DIM + HEAD_DIM // 2], dq_smem.index(2 * u + 1))
         tma.store_wait(0)
         mbarrier.arrive(dq_bars.index(DQ_BUFS + u), count=1)   # (after a barrier of this partition)
 
@@ -167,36 +179,38 @@ if gluon is not None:
         reduce-adds (_drain_dq), for tile i - STAGES right after issuing tile i: the qdo_empty wait just
         passed says the consumers are done with tile i - STAGES, so its dQ is (about to be) in dq_smem, and the
         next loads are issued without waiting for the drain of the previous tile."""
+        STAGES: gl.constexpr = q_smem.shape[0]
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
         pid_bh = gl.program_id(1)
         b = pid_bh // HEADS_Q
         h = pid_bh % HEADS_Q
         mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)   # one arrival: both copies on one barrier
         kv_row = b * seqlen_k + gl.program_id(0) * _BLOCK_N
-        tma.async_copy_global_to_shared(k_desc, [kv_row, (h // group) * _HEAD_DIM], kv_ready, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [kv_row, (h // group) * _HEAD_DIM], kv_ready, v_smem)
+        tma.async_copy_global_to_shared(k_desc, [kv_row, (h // group) * HEAD_DIM], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_row, (h // group) * HEAD_DIM], kv_ready, v_smem)
         j0, n_iter = _q_tiles(seqlen_q, CAUSAL)
         q_row = b * seqlen_q + j0 * _BLOCK_M
         vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         for i in range(n_iter):
-            s = i % _STAGES
+            s = i % STAGES
             # First lap: a fresh barrier's parity 1 counts as completed, so the ring starts empty.
-            mbarrier.wait(qdo_empty.index(s), ((i // _STAGES) & 1) ^ 1)
+            mbarrier.wait(qdo_empty.index(s), ((i // STAGES) & 1) ^ 1)
             mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row + i * _BLOCK_M, h * _HEAD_DIM], q_ready.index(s),
+            tma.async_copy_global_to_shared(q_desc, [q_row + i * _BLOCK_M, h * HEAD_DIM], q_ready.index(s),
                                             q_smem.index(s))
             mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [q_row + i * _BLOCK_M, h * _HEAD_DIM], do_ready.index(s),
+            tma.async_copy_global_to_shared(do_desc, [q_row + i * _BLOCK_M, h * HEAD_DIM], do_ready.index(s),
                                             do_smem.index(s))
             # lse2 / Delta after both copies are issued, so that these loads' latency delays neither
             rows = (j0 + i) * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
             stat_smem.index(s).store(gl.load(lse_ptr + pid_bh.to(gl.int64) * seqlen_q + rows))
             # Delta times softmax_scale: the form dS = P * (dP * scale - Delta * scale) uses
             delta = gl.load(delta_ptr + pid_bh.to(gl.int64) * seqlen_q + rows) * sm_scale
-            stat_smem.index(_STAGES + s).store(delta)
+            stat_smem.index(STAGES + s).store(delta)
             mbarrier.arrive(q_ready.index(s), count=1)   # q_ready's second arrival (after a partition barrier)
-            if i >= _STAGES:
-                _drain_dq(i - _STAGES, dq_smem, dq_bars, dq_desc, h, q_row, DQ_BUFS)
-        for t in range(gl.maximum(n_iter - _STAGES, 0), n_iter):   # the last min(STAGES, n_iter), in order
+            if i >= STAGES:
+                _drain_dq(i - STAGES, dq_smem, dq_bars, dq_desc, h, q_row, DQ_BUFS)
+        for t in range(gl.maximum(n_iter - STAGES, 0), n_iter):   # the last min(STAGES, n_iter), in order
             _drain_dq(t, dq_smem, dq_bars, dq_desc, h, q_row, DQ_BUFS)
 
     @gluon.jit
@@ -206,22 +220,26 @@ if gluon is not None:
         """Q tile j (the i-th of this program): dK, dV updated, this warpgroup's half of dQ_j handed to the
         producer through dq_smem."""
         dtype: gl.constexpr = q_smem.dtype
+        STAGES: gl.constexpr = q_smem.shape[0]
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_M, 16])
+        dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                            instr_shape=[16, HEAD_DIM // 2, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
-        s = i % _STAGES
+        s = i % STAGES
         q_s = q_smem.index(s)
         do_s = do_smem.index(s)
         cols = j * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=col_s)    # query rows = columns of S^T
         zero = gl.zeros([_WG_N, _BLOCK_M], gl.float32, s_layout)
 
-        mbarrier.wait(q_ready.index(s), (i // _STAGES) & 1)
+        mbarrier.wait(q_ready.index(s), (i // STAGES) & 1)
         # lse2_j: the producer's copy (complete with this q_ready phase), read in the layout it is used in, and
         # before the matmuls are issued: their operand reads would queue up ahead of it in shared memory.
         lse2 = stat_smem.index(s).load(col_s)
         s_tok = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-        mbarrier.wait(do_ready.index(s), (i // _STAGES) & 1)
+        mbarrier.wait(do_ready.index(s), (i // STAGES) & 1)
         dp_tok = warpgroup_mma(v_wg, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         s_t = warpgroup_mma_wait(1, deps=[s_tok])                 # dP^T keeps running
         # Causal diagonal (MASK): key kv visible to query row q iff kv <= q, masked at run time on the
@@ -231,7 +249,7 @@ if gluon is not None:
                 s_t = gl.where(cols[None, :] >= kv_rows[:, None], s_t, float("-inf"))
         p_t = gl.exp2(s_t * qk_scale - lse2[None, :]).to(dtype)
         dv_tok = warpgroup_mma(gl.convert_layout(p_t, p_layout), do_s, dv, is_async=True)
-        delta = stat_smem.index(_STAGES + s).load(col_s)          # already times softmax_scale
+        delta = stat_smem.index(STAGES + s).load(col_s)          # already times softmax_scale
         dp_t = warpgroup_mma_wait(1, deps=[dp_tok])               # dV keeps running
         # dS from the rounded P that dV used (as torch's low-precision math): P fp32 would hold 16 more
         # registers per thread across the dP wait, where this warpgroup peaks at 240.
@@ -248,7 +266,7 @@ if gluon is not None:
         dk_tok = warpgroup_mma(ds_wg, q_s, dk, is_async=True)
         dv = warpgroup_mma_wait(1, deps=[dv_tok])                 # frees P^T's registers; dK keeps running
         mbarrier.wait(ds_ready.index(slot), (i // 2) & 1)
-        dq_zero = gl.zeros([_BLOCK_M, _HEAD_DIM // 2], gl.float32, s_layout)
+        dq_zero = gl.zeros([_BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout)
         dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
         dk, dq = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok])
         mbarrier.arrive(qdo_empty.index(s), count=1)              # Q_j, dO_j no longer read by this warpgroup
@@ -265,9 +283,10 @@ if gluon is not None:
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                   dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
                   WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFS: gl.constexpr):
-        """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, 128]."""
+        """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, D]."""
+        HEAD_DIM: gl.constexpr = q_smem.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, _HEAD_DIM, 16])
+                                                             instr_shape=[16, HEAD_DIM, 16])
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_M, 16])
         pid_n = gl.program_id(0)
@@ -278,9 +297,9 @@ if gluon is not None:
         kv_rows = kv0 + gl.arange(0, _WG_N, layout=gl.SliceLayout(1, s_layout))
         k_wg = k_smem.slice(WG * _WG_N, _WG_N)
         v_wg = v_smem.slice(WG * _WG_N, _WG_N)
-        k_half = k_smem.slice(WG * (_HEAD_DIM // 2), _HEAD_DIM // 2, dim=1)
-        dk = gl.zeros([_WG_N, _HEAD_DIM], gl.float32, acc_layout)
-        dv = gl.zeros([_WG_N, _HEAD_DIM], gl.float32, acc_layout)
+        k_half = k_smem.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
+        dk = gl.zeros([_WG_N, HEAD_DIM], gl.float32, acc_layout)
+        dv = gl.zeros([_WG_N, HEAD_DIM], gl.float32, acc_layout)
         j0, n_iter = _q_tiles(seqlen_q, CAUSAL)
         mbarrier.wait(kv_ready, 0)
         for i in range(n_iter):
@@ -292,10 +311,10 @@ if gluon is not None:
         # float32 partials.  Hq is a compile-time constant: with constant row strides the per-thread offsets
         # fold into instruction immediates (as run-time strides they were registers that ptxas spilled); one
         # int64 scalar for the tile.
-        row_stride: gl.constexpr = HEADS_Q * _HEAD_DIM
-        tile = (b.to(gl.int64) * seqlen_k + kv0) * row_stride + h * _HEAD_DIM
+        row_stride: gl.constexpr = HEADS_Q * HEAD_DIM
+        tile = (b.to(gl.int64) * seqlen_k + kv0) * row_stride + h * HEAD_DIM
         rows = gl.arange(0, _WG_N, layout=gl.SliceLayout(1, acc_layout))
-        dcols = gl.arange(0, _HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
         offs = rows[:, None] * row_stride + dcols[None, :]
         gl.store(dk_ptr + tile + offs, dk.to(dk_ptr.dtype.element_ty))
         gl.store(dv_ptr + tile + offs, dv.to(dv_ptr.dtype.element_ty))
@@ -303,31 +322,34 @@ if gluon is not None:
     @gluon.jit
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
                          seqlen_k, group, qk_scale, sm_scale, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr,
-                         DQ_BUFS: gl.constexpr):
+                         STAGES: gl.constexpr, DQ_BUFS: gl.constexpr):
+        """q_desc / do_desc: [BLOCK_M, D] blocks; k_desc / v_desc: [BLOCK_N, D]; dq_desc: [BLOCK_M, D / 2]
+        float32 (one warpgroup's half of dQ_j)."""
         dtype: gl.constexpr = q_desc.dtype
-        k_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, _HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, _HEAD_DIM], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK_M, _HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [_STAGES, _BLOCK_M, _HEAD_DIM], do_desc.layout)
+        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        k_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, HEAD_DIM], do_desc.layout)
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, _BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_N, _BLOCK_M], ds_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        q_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-        do_ready = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
-        qdo_empty = gl.allocate_shared_memory(gl.int64, [_STAGES, 1], mbarrier.MBarrierLayout())
+        q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        qdo_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         ds_ready = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(kv_ready, count=1)
-        for i in gl.static_range(_STAGES):
+        for i in gl.static_range(STAGES):
             mbarrier.init(q_ready.index(i), count=2)     # the copy engine's bytes + the producer's lse2 / Delta
             mbarrier.init(do_ready.index(i), count=1)
             mbarrier.init(qdo_empty.index(i), count=2)   # one arrive per consumer warpgroup
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)    # both halves of dS^T written
-        # dQ_j [64, 128] float32 as two [64, 64] halves in TMA's layout (the dq_accum descriptor's), per buffer
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS, _BLOCK_M, _HEAD_DIM // 2], dq_desc.layout)
+        # dQ_j [64, D] float32 as two [64, D / 2] halves in TMA's layout (the dq_accum descriptor's), per buffer
+        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS, _BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
         # lse2 rows of stage s at index s, Delta * softmax_scale rows at STAGES + s (a rank-1 layout: the
         # leading dimension only indexes the rows)
-        stat_smem = gl.allocate_shared_memory(gl.float32, [2 * _STAGES, _BLOCK_M],
+        stat_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, _BLOCK_M],
                                               gl.SwizzledSharedLayout(1, 1, 1, [0]))
         dq_bars = gl.allocate_shared_memory(gl.int64, [2 * DQ_BUFS, 1], mbarrier.MBarrierLayout())
         for u in gl.static_range(DQ_BUFS):
@@ -355,15 +377,16 @@ _compiled: set = set()
 broken: dict = {}
 
 
-def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, variant: str = DEFAULT,
+def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, variant: str | None = None,
              warmup: bool = False):
     """Gradients (dq, dk, dv) shaped like q, k, v for a call `reasons` accepts, given dO, the forward's
     lse2 [B, Hq, Sq] and Delta [B, Hq, Sq] (float32, dlse already folded in); written into dq / dk / dv
     when given (contiguous, q's / k's / v's dtype).  None when the kernel fails to compile here (the
-    caller then runs the Triton kernels).  `out` is unused (Delta carries it).  warmup=True compiles
-    without launching and returns the compiled kernel (bench/gluon_bwd_probe.py)."""
-    dq_bufs = VARIANTS[variant]
+    caller then runs the Triton kernels).  `out` is unused (Delta carries it).  variant: a VARIANTS key
+    (default: DEFAULT[D]).  warmup=True compiles without launching and returns the compiled kernel
+    (bench/gluon_bwd_probe.py)."""
     b, sq, hq, d = q.shape
+    tiles = VARIANTS[variant or DEFAULT[d]]
     sk = k.shape[1]
     group = spec.group_size
     lse2, delta = lse2.contiguous(), delta.contiguous()
@@ -375,16 +398,16 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
         dk_out = dk if dk is not None else torch.empty_like(k)
         dv_out = dv if dv is not None else torch.empty_like(v)
     grid = (sk // BLOCK_N, b * hq)
-    # dq_accum's descriptor: [64, 64] float32 boxes (one warpgroup's half of dQ_j), for the reduce-adds.
+    # dq_accum's descriptor: [64, D / 2] float32 boxes (one warpgroup's half of dQ_j), for the reduce-adds.
     args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
             _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dk_out, dv_out, sq, sk, group,
             spec.softmax_scale * LOG2E, spec.softmax_scale)
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and causal.
-    meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, DQ_BUFS=dq_bufs, num_warps=4)
+    meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, STAGES=tiles.stages, DQ_BUFS=tiles.dq_bufs, num_warps=4)
     if warmup:
         return _launch.compile(grid, args, meta)
-    key = (q.dtype, spec.causal, q.device)
-    if (variant, hq, group > 1, *key) not in _compiled:
+    key = (q.dtype, d, spec.causal, q.device)
+    if (tiles, hq, group > 1, *key) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             _launch.compile(grid, args, meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernels"
@@ -392,7 +415,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
             warnings.warn(f"flashport: the Hopper backward failed to compile for {key} and is switched off "
                           f"for it; the Triton kernels serve instead ({broken[key]})", RuntimeWarning, stacklevel=3)
             return None
-        _compiled.add((variant, hq, group > 1, *key))
+        _compiled.add((tiles, hq, group > 1, *key))
     _launch(grid, args, meta)
     # dQ already carries softmax_scale (folded into dS): the epilogue is a cast.
     dq = dq.copy_(dq_accum) if dq is not None else dq_accum.to(q.dtype)

@@ -37,6 +37,11 @@ SERVED = [
     Case(b=2, sq=640, sk=256, hq=2, hkv=2, d=128),                   # Sq > Sk
     Case(b=1, sq=1024, sk=1024, hq=4, hkv=1, d=128, causal=True),    # MQA, 8 K/V tiles per head
     Case(b=1, sq=128, sk=128, hq=2, hkv=2, d=128, causal=True, scale=0.3),   # one tile: diagonal only
+    # D=64: the same schedule with [64, 32] halves of dQ_j (K's columns split inside a 128-byte swizzle atom)
+    Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=64),
+    Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=64, causal=True),
+    Case(b=1, sq=384, sk=640, hq=8, hkv=2, d=64),                    # Sq != Sk, GQA
+    Case(b=1, sq=1024, sk=1024, hq=4, hkv=1, d=64, causal=True),     # MQA, 8 K/V tiles per head
 ]
 
 
@@ -47,21 +52,21 @@ def test_served_calls_conform(case, dtype, served):
     assert served, "the Hopper backward did not serve this call"
 
 
-# Candidate variants (attn_bwd_hopper.VARIANTS, not the library's DEFAULT) whose synchronisation differs from
-# it: one dQ buffer (s2_tma_lse), so the consumers wait for every drain.  Programs with 2 Q tiles (causal,
-# last K/V tile; one-tile case), many tiles (Sq > Sk, 8-tile causal MQA) and GQA.
-CANDIDATES = ["s2_tma_lse"]
+# Every variant (attn_bwd_hopper.VARIANTS) at each head dim it fits, the library's choice or not: their
+# synchronisation differs (one dQ buffer: the consumers wait for every drain; a 3-deep ring).  Programs with 2
+# Q tiles (causal, last K/V tile; one-tile case), many tiles (Sq > Sk, 8-tile causal MQA) and GQA.
+CANDIDATES = [("s2_tma_lse", 128), ("s2_tma_lse", 64), ("s2_tma2_lse", 64), ("s3_tma2_lse", 64)]
 CANDIDATE_CASES = [SERVED[1], SERVED[2], SERVED[4], SERVED[5], SERVED[6]]
 
 
-@pytest.mark.parametrize("variant", CANDIDATES)
+@pytest.mark.parametrize("variant, d", CANDIDATES)
 @pytest.mark.parametrize("case", CANDIDATE_CASES, ids=str)
-def test_candidate_variants_conform(case, variant, served, monkeypatch):
+def test_candidate_variants_conform(case, variant, d, served, monkeypatch):
     from flashport.kernels import attn_bwd_hopper
     spy = attn_bwd_hopper.backward                  # the served fixture's counting wrapper
     monkeypatch.setattr(attn_bwd_hopper, "backward", lambda *a, **kw: spy(*a, **kw, variant=variant))
     dtype = torch.float16 if case.causal and case.hkv == 1 else torch.bfloat16
-    check_dense("triton", case.replace(dtype=dtype), DEV, grads=True)
+    check_dense("triton", case.replace(dtype=dtype, d=d), DEV, grads=True)
     assert served, f"the Hopper backward ({variant}) did not serve this call"
 
 
@@ -70,8 +75,8 @@ DECLINED = [
     Case(b=1, sq=200, sk=256, hq=2, hkv=2, d=128),                   # not a multiple of 128
     Case(b=1, sq=256, sk=384, hq=2, hkv=2, d=128, causal=True),      # causal with Sq != Sk
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, noncontig=True),   # strided: no TMA view
-    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=64),
-    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, window=(64, 0)),
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=96),
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=64, window=(64, 0)),
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, softcap=5.0),
 ]
 
