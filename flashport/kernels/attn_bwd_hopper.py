@@ -78,9 +78,12 @@ class Tiles(NamedTuple):
 # and bf16 spills in the loop) lost to the producer staging them in shared memory, read before the first matmul
 # of a step: s2_tma2_lse read 455-514 TF/s, the best sum over the five cells (2431 vs 2334 for one buffer).  The
 # losing schedules are in the git history (commit 0ea1fe0 and before).
+# At D=64 (results/gluon_bwd_probe_h200_s6a.json, H200, four shapes of the standard set's heads) one dQ buffer
+# read 314-394 TF/s, two 304-378 and a 3-deep ring 310-385: the kernel leaves shared memory idle there, and
+# the extra buffer or stage did not pay (PERFLOG row 25).
 VARIANTS = {"s2_tma_lse": Tiles(2, 1), "s2_tma2_lse": Tiles(2, 2),
             "s3_tma2_lse": Tiles(3, 2, (64,))}   # D=128: 258 KiB of shared memory
-DEFAULT = {128: "s2_tma2_lse", 64: "s2_tma2_lse"}   # per head dim (the served ones)
+DEFAULT = {128: "s2_tma2_lse", 64: "s2_tma_lse"}   # per head dim (the served ones)
 
 
 def enabled() -> bool:

@@ -1,0 +1,144 @@
+"""Host time of an eager Gluon forward, stage by stage, next to SDPA's (which peer runs in C++).
+
+    PYTHONPATH=. python3 bench/host_stages.py [--d 256] [--out stages.json]
+
+`flashport bench` times eager calls with `do_bench`, whose L2 flush (~85 us on an H200) hides host time only
+up to that much: a short cell whose call costs more host time than that reads slow however fast the kernel
+is.  Here each stage of one call (spec checks, dispatch, the autograd Function, allocations, descriptors,
+the launch) runs back to back 2000 times without a sync on a problem so small (B = 1, H = 1, S = 512) that
+the GPU is never the bottleneck: wall time / calls is the host time per call.  Needs an sm_90 GPU.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import flashport  # noqa: E402
+
+
+def per_call_us(fn, calls: int = 2000, repeats: int = 5) -> float:
+    """Median over `repeats` of wall time / calls for `calls` back-to-back calls (one sync per batch)."""
+    for _ in range(50):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    return statistics.median(times)
+
+
+def stages(d: int, causal: bool) -> dict:
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashport import dispatch
+    from flashport.kernels import attn_bwd, attn_bwd_hopper, attn_fwd, attn_fwd_hopper
+    from flashport.spec import dense_spec
+    dev, dt = torch.device("cuda"), torch.bfloat16
+    q, k, v = (torch.randn(1, 512, 1, d, device=dev, dtype=dt) for _ in range(3))
+    qg, kg, vg = (t.clone().requires_grad_() for t in (q, k, v))
+    kw = dict(causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+              dropout_p=0.0, deterministic=False, return_lse=False)
+    spec, inputs = dense_spec(q, k, v, **kw)
+    why = attn_fwd_hopper.reasons(spec, q, k, v)
+    if why:
+        raise SystemExit(f"the Gluon forward declines this call: {why}")
+    tiles = attn_fwd_hopper.TILES[d]
+    out = torch.empty_like(q)
+    lse = torch.empty(1, 1, 512, dtype=torch.float32, device=dev)
+    args = (attn_fwd_hopper._descriptor(q, attn_fwd_hopper.TILE), attn_fwd_hopper._descriptor(k, tiles.block_n),
+            attn_fwd_hopper._descriptor(v, tiles.block_n), attn_fwd_hopper._descriptor(out, attn_fwd_hopper.BLOCK_M),
+            lse, lse, 512, 512, 1, 1, spec.softmax_scale * attn_fwd_hopper.LOG2E)
+    meta = dict(CAUSAL=causal, STAGES=tiles.stages, CONSUMER_REGS=tiles.consumer_regs, EARLY_K=tiles.early_k,
+                num_warps=4)
+    grid = (512 // attn_fwd_hopper.TILE, 1)
+    qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+    qtg, ktg, vtg = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+
+    # backward: the bench's cell is autograd.grad on a recorded graph (retain_graph=True)
+    do = torch.randn_like(q)
+    out_g = flashport.attention(qg, kg, vg, causal=causal, backend="triton")
+    qtgb, ktgb, vtgb = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
+    with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+        out_s = torch.nn.functional.scaled_dot_product_attention(qtgb, ktgb, vtgb, is_causal=causal)
+    o, _, lse2 = attn_fwd.forward(spec, q, k, v)
+    dlse = torch.zeros_like(lse2)
+    delta = torch.randn_like(lse2)
+
+    def train_step():
+        out = flashport.attention(qg, kg, vg, causal=causal, backend="triton")
+        return torch.autograd.grad(out, (qg, kg, vg), do)
+
+    def device_context():
+        with torch.cuda.device(dev):
+            pass
+
+    def sdpa(a, b, c):
+        with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
+            return torch.nn.functional.scaled_dot_product_attention(a, b, c, is_causal=causal)
+
+    cases = {
+        "flashport.attention, inputs requiring grad (the bench's training cells)":
+            lambda: flashport.attention(qg, kg, vg, causal=causal, backend="triton"),
+        "flashport.attention, no grad": lambda: flashport.attention(q, k, v, causal=causal, backend="triton"),
+        "flashport.attention, no grad, backend chosen (auto)": lambda: flashport.attention(q, k, v, causal=causal),
+        "spec.dense_spec": lambda: dense_spec(q, k, v, **kw),
+        "dispatch.select(spec, 'triton')": lambda: dispatch.select(spec, "triton"),
+        "dispatch.select(spec, None)": lambda: dispatch.select(spec, None),
+        "backend run (no grad)": lambda: dispatch.get("triton").run(spec, inputs),
+        "attn_fwd.forward": lambda: attn_fwd.forward(spec, q, k, v),
+        "attn_fwd_hopper.reasons": lambda: attn_fwd_hopper.reasons(spec, q, k, v),
+        "attn_fwd_hopper.forward": lambda: attn_fwd_hopper.forward(spec, q, k, v),
+        "launch only (DirectLauncher, prebuilt args)": lambda: attn_fwd_hopper._launch(grid, args, meta),
+        "3 allocations (out, lse, lse2)": lambda: (torch.empty_like(q), torch.empty(1, 1, 512, device=dev),
+                                                   torch.empty(1, 1, 512, device=dev)),
+        "4 descriptors (Desc objects)": lambda: [attn_fwd_hopper._descriptor(t, 64) for t in (q, k, v, out)],
+        "torch.cuda.device(dev) context": device_context,
+        "SDPA cuDNN, inputs requiring grad": lambda: sdpa(qtg, ktg, vtg),
+        "SDPA cuDNN, no grad": lambda: sdpa(qt, kt, vt),
+        "bwd: autograd.grad on a recorded flashport graph (the bench's cell)":
+            lambda: torch.autograd.grad(out_g, (qg, kg, vg), do, retain_graph=True),
+        "bwd: training step (flashport fwd + autograd.grad)": train_step,
+        "bwd: attn_bwd.backward, dlse=None": lambda: attn_bwd.backward(spec, do, q, k, v, o, lse2),
+        "bwd: attn_bwd.backward, dlse zeros (as autograd passes it)":
+            lambda: attn_bwd.backward(spec, do, q, k, v, o, lse2, dlse=dlse),
+        "bwd: attn_bwd_hopper.backward (Delta given)":
+            lambda: attn_bwd_hopper.backward(spec, do, q, k, v, o, lse2, delta),
+        "bwd: SDPA cuDNN autograd.grad on a recorded graph":
+            lambda: torch.autograd.grad(out_s, (qtgb, ktgb, vtgb), do.transpose(1, 2), retain_graph=True),
+    }
+    return {name: per_call_us(fn) for name, fn in cases.items()}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--d", type=int, nargs="*", default=[256, 128])
+    ap.add_argument("--out", type=Path)
+    args = ap.parse_args(argv)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "runs": {}}
+    for d in args.d:
+        for causal in (True, False):
+            label = f"D={d} causal={causal} (B=1, H=1, S=512, bf16)"
+            res = stages(d, causal)
+            result["runs"][label] = res
+            print(f"\n== {label}: host microseconds per call")
+            for name, us in res.items():
+                print(f"  {us:8.1f}  {name}")
+    if args.out:
+        args.out.write_text(json.dumps(result, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
