@@ -113,8 +113,9 @@ def stages(d: int, causal: bool) -> dict:
         "bwd: attn_bwd.backward, dlse=None": lambda: attn_bwd.backward(spec, do, q, k, v, o, lse2),
         "bwd: attn_bwd.backward, dlse zeros (as autograd passes it)":
             lambda: attn_bwd.backward(spec, do, q, k, v, o, lse2, dlse=dlse),
-        "bwd: attn_bwd_hopper.backward (Delta given)":
-            lambda: attn_bwd_hopper.backward(spec, do, q, k, v, o, lse2, delta),
+        "bwd: attn_bwd_hopper.backward (Delta given; skipped where it declines)":
+            lambda: attn_bwd_hopper.reasons(spec, q, k, v, do) or attn_bwd_hopper.backward(spec, do, q, k, v, o,
+                                                                                            lse2, delta),
         "bwd: SDPA cuDNN autograd.grad on a recorded graph":
             lambda: torch.autograd.grad(out_s, (qtgb, ktgb, vtgb), do.transpose(1, 2), retain_graph=True),
     }
