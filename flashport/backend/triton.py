@@ -53,6 +53,14 @@ def _device_reasons(device: torch.device) -> list[str]:
     return []
 
 
+def _on(device: torch.device):
+    """torch.cuda.device(device) unless it is already the current device or not CUDA: entering that context
+    costs 5-7 us of host time per call (results/host_stages_h200_s6.json), and most calls are on it already."""
+    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
+        return contextlib.nullcontext()
+    return torch.cuda.device(device)
+
+
 def dropout_mask(rng_state: torch.Tensor, p: float, batch: int, heads_q: int, sq: int, sk: int) -> torch.Tensor:
     """The [B, Hq, Sq, Sk] bool keep-mask the kernels apply for dropout (small shapes only, for tests).
 
@@ -84,14 +92,21 @@ class _TritonAttention(torch.autograd.Function):
         out, lse, lse2 = attn_fwd.forward(call.spec, q, k, v, **call.tensors())
         ctx.save_for_backward(q, k, v, out, lse2)
         ctx.call = call
+        # An output nobody differentiates (lse, unless return_lse and used) arrives as None, not as zeros that
+        # autograd would allocate and the backward would subtract: two kernel launches of host time saved.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod
     def backward(ctx, dout, dlse):
         from ..kernels import attn_bwd
         q, k, v, out, lse2 = ctx.saved_tensors
+        if dout is None and dlse is None:
+            return None, None, None, None
+        if dout is None:   # only lse is differentiated
+            dout = torch.zeros_like(out)
         call = ctx.call
-        with torch.cuda.device(q.device) if q.is_cuda else contextlib.nullcontext():
+        with _on(q.device):
             dq, dk, dv = attn_bwd.backward(call.spec, dout, q, k, v, out, lse2, dlse=dlse, **call.tensors())
         return dq, dk, dv, None
 
@@ -134,7 +149,7 @@ class TritonBackend(dispatch.Backend):
             from ..kernels.decode import kvcache_attention
             return kvcache_attention(spec, inputs)
         call = _Call(spec, inputs.alibi_slopes, inputs.cu_seqlens_q, inputs.cu_seqlens_k, inputs.rng_state)
-        with torch.cuda.device(spec.device) if spec.device.type == "cuda" else contextlib.nullcontext():
+        with _on(spec.device):
             if spec.needs_grad:
                 return _TritonAttention.apply(inputs.q, inputs.k, inputs.v, call)
             from ..kernels import attn_fwd
