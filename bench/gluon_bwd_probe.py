@@ -9,11 +9,11 @@ keeps the library's variant per head dim (attn_bwd_hopper.DEFAULT), --head-dims 
 
 GPU mode, in order (a failing kernel is recorded and the probe goes on):
  1. correctness, every variant of attn_bwd_hopper.VARIANTS at each of its head dims, small shapes (causal and
-    not, MHA and GQA, bf16 and fp16): dq / dk / dv against float32 autograd on the same inputs.  Pass iff the error is at most
-    3x the error of the same math done by torch in the input dtype (the conformance rule for gradients)
-    plus 1e-3 x the gradient's magnitude (rounding noise), as tests/conformance.py.
- 2. timing, bf16, D=128 and D=64: the whole backward as the library runs it (attn_bwd.backward: Delta preprocess +
-    this kernel + dQ cast; "flashport_hopper"), the Triton kernels (FLASHPORT_HOPPER_BWD=0;
+    not, MHA and GQA, bf16 and fp16): dq / dk / dv against float32 autograd on the same inputs.  Pass iff the
+    error is at most 3x the error of the same math done by torch in the input dtype (the conformance rule for
+    gradients) plus 1e-3 x the gradient's magnitude (rounding noise), as tests/conformance.py.
+ 2. timing, bf16, D=128 and D=64: the whole backward as the library runs it (attn_bwd.backward: Delta
+    preprocess + this kernel + dQ cast; "flashport_hopper"), the Triton kernels (FLASHPORT_HOPPER_BWD=0;
     "flashport_triton"), each variant's kernel alone (+ its dQ epilogue, Delta precomputed), SDPA cuDNN and
     SDPA flash backward (autograd.grad on a recorded forward).  TFLOP/s with FlashAttention's convention:
     backward FLOPs = 2.5 x 4 B H S^2 D, halved when causal.  Each timing shape also compares the Hopper

@@ -374,8 +374,9 @@ if gluon is not None:
     _launch = DirectLauncher(_attn_bwd_hopper)
 
 
-# Compiled (variant, dtype, causal, device) and the (dtype, causal, device) whose compilation failed, with the
-# reason: a failure switches this path off for them (one warning), and the Triton kernels serve instead.
+# Compiled (tiles, heads, GQA, dtype, head dim, causal, device) and the (dtype, head dim, causal, device) whose
+# compilation failed, with the reason: a failure switches this path off for them (one warning), and the Triton
+# kernels serve instead.
 _compiled: set = set()
 broken: dict = {}
 
