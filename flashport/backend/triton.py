@@ -7,7 +7,6 @@ flashport never fixes that choice.  kvcache calls go to flashport.kernels.decode
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -53,14 +52,6 @@ def _device_reasons(device: torch.device) -> list[str]:
     return []
 
 
-def _on(device: torch.device):
-    """torch.cuda.device(device) unless it is already the current device or not CUDA: entering that context
-    costs 5-7 us of host time per call (results/host_stages_h200_s6.json), and most calls are on it already."""
-    if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
-        return contextlib.nullcontext()
-    return torch.cuda.device(device)
-
-
 def dropout_mask(rng_state: torch.Tensor, p: float, batch: int, heads_q: int, sq: int, sk: int) -> torch.Tensor:
     """The [B, Hq, Sq, Sk] bool keep-mask the kernels apply for dropout (small shapes only, for tests).
 
@@ -100,13 +91,14 @@ class _TritonAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, dlse):
         from ..kernels import attn_bwd
+        from ..kernels.common import device_guard
         q, k, v, out, lse2 = ctx.saved_tensors
         if dout is None and dlse is None:
             return None, None, None, None
         if dout is None:   # only lse is differentiated
             dout = torch.zeros_like(out)
         call = ctx.call
-        with _on(q.device):
+        with device_guard(q.device):
             dq, dk, dv = attn_bwd.backward(call.spec, dout, q, k, v, out, lse2, dlse=dlse, **call.tensors())
         return dq, dk, dv, None
 
@@ -149,7 +141,8 @@ class TritonBackend(dispatch.Backend):
             from ..kernels.decode import kvcache_attention
             return kvcache_attention(spec, inputs)
         call = _Call(spec, inputs.alibi_slopes, inputs.cu_seqlens_q, inputs.cu_seqlens_k, inputs.rng_state)
-        with _on(spec.device):
+        from ..kernels.common import device_guard
+        with device_guard(spec.device):
             if spec.needs_grad:
                 return _TritonAttention.apply(inputs.q, inputs.k, inputs.v, call)
             from ..kernels import attn_fwd

@@ -20,7 +20,6 @@ materialized_attention(q, k_cache[:, :seqlens_k[b]], ...) with bottom-right alig
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 import os
 from dataclasses import dataclass
@@ -31,7 +30,7 @@ import triton.language as tl
 import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda.gdc_launch_dependents)
 
 from . import splitkv
-from .common import LOG2E, score_log2
+from .common import LOG2E, device_guard, score_log2
 from .merge import merge_partials
 from .splitkv import (DecodeConfig, choose_config, choose_num_splits, device_facts, interpreting, sm_count,
                       smem_limit)
@@ -312,7 +311,7 @@ def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: i
     else:
         a_strides = (0, slopes.stride(0)) if slopes.dim() == 1 else slopes.stride()
 
-    with _device_guard(q.device):
+    with device_guard(q.device):
         _kvcache_split_kernel[(bsz * spec.heads_kv, plan.m_blocks, splits)](
             q, k_cache, v_cache, seqlens, block_table, slopes, o_buf, l_buf,
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
@@ -324,7 +323,3 @@ def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: i
         if splits > 1:
             merge_partials(o_buf, l_buf, out, lse, after_prior=plan.pdl)
     return out, lse
-
-
-def _device_guard(device: torch.device):
-    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()

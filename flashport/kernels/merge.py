@@ -11,7 +11,6 @@ or NaN there cannot leak); a row whose parts are all -inf comes out as zeros wit
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 
 import torch
@@ -20,6 +19,7 @@ import triton.language as tl
 import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda.gdc_wait)
 
 from ..merge import merge_states_torch
+from .common import device_guard
 
 
 @triton.jit
@@ -132,8 +132,7 @@ def merge_states_triton(outs, lses):
     if out.numel() == 0:  # nothing to launch for; the PyTorch merge handles empty shapes
         return merge_states_torch(outs, lses)
     o_parts = torch.stack([o if o.stride(-1) == 1 else o.contiguous() for o in outs])
-    guard = torch.cuda.device(out.device) if out.device.type == "cuda" else contextlib.nullcontext()
-    with guard:
+    with device_guard(out.device):
         merge_partials(o_parts, torch.stack(lses), out, lse)
     return out, lse
 
