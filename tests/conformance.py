@@ -100,6 +100,26 @@ def _math(q, k, v, case: Case, slopes, compute_dtype):
                                   compute_dtype=compute_dtype)
 
 
+def needs_sm90():
+    """The skip marker of the Hopper kernels' GPU tests.  A function, so that the CUDA capability is read only
+    by the modules that use it (every tier imports this module)."""
+    import pytest
+    hopper = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
+    return pytest.mark.skipif(not hopper, reason="needs an sm_90 GPU")
+
+
+def rejecting_launcher():
+    """A Gluon kernel's launcher whose compiler rejects the kernel (`RuntimeError: ptxas: unsupported`): the
+    safe-fallback tests put it in place of a Hopper kernel's `_launch`.  (Imports the kernels: call it inside a
+    test, not at collection.)"""
+    from flashport.kernels.launch import DirectLauncher
+
+    class Rejecting:
+        def warmup(self, *a, **kw):
+            raise RuntimeError("ptxas: unsupported")
+    return DirectLauncher(Rejecting())
+
+
 def served_calls(monkeypatch, module, name: str) -> list:
     """Wrap module.name (a kernel entry that returns None when it declines at compile time and the
     Triton kernels run instead) so that the spec of every call it actually served is recorded."""

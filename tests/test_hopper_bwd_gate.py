@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 import torch
 
+from conformance import rejecting_launcher
 from flashport.spec import dense_spec
 
 
@@ -80,13 +81,7 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, bwd):
     caller runs the Triton kernels), and the gate declines that variant from then on."""
     if bwd.gluon is None:
         pytest.skip("Gluon not installed")
-
-    from flashport.kernels.launch import DirectLauncher
-
-    class Rejecting:
-        def warmup(self, *a, **kw):
-            raise RuntimeError("ptxas: unsupported")
-    monkeypatch.setattr(bwd, "_launch", DirectLauncher(Rejecting()))
+    monkeypatch.setattr(bwd, "_launch", rejecting_launcher())
     monkeypatch.setattr(bwd, "_compiled", set())
     q = torch.zeros(1, 256, 2, 128, dtype=torch.bfloat16)
     spec, _ = dense_spec(q, q, q, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,

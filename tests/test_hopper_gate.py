@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from conformance import rejecting_launcher
 from flashport.spec import dense_spec
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -122,13 +123,7 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, d, on_h
     from flashport.kernels import attn_fwd_hopper
     if attn_fwd_hopper.gluon is None:
         pytest.skip("Gluon not installed")
-
-    from flashport.kernels.launch import DirectLauncher
-
-    class Rejecting:
-        def warmup(self, *a, **kw):
-            raise RuntimeError("ptxas: unsupported")
-    monkeypatch.setattr(attn_fwd_hopper, "_launch", DirectLauncher(Rejecting()))
+    monkeypatch.setattr(attn_fwd_hopper, "_launch", rejecting_launcher())
     monkeypatch.setattr(attn_fwd_hopper, "broken", {})
     monkeypatch.setattr(attn_fwd_hopper, "_compiled", set())
     q = torch.zeros(1, 256, 2, d, dtype=torch.bfloat16)

@@ -8,12 +8,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-pytestmark = [pytest.mark.gpu,
-              pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
-                                 reason="needs an sm_90 GPU")]
+import flashport
+from conformance import Case, check_dense, kwargs_of, make_inputs, needs_sm90, served_calls
 
-import flashport  # noqa: E402
-from conformance import Case, check_dense, kwargs_of, make_inputs, served_calls  # noqa: E402
+pytestmark = [pytest.mark.gpu, needs_sm90()]
 
 DEV = "cuda"
 
