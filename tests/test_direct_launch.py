@@ -31,7 +31,7 @@ class _Jit:
 @pytest.fixture
 def launcher(monkeypatch):
     from flashport.kernels import launch
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getDevice", lambda: 0, raising=False)
     monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 1234, raising=False)
     monkeypatch.setattr(launch.Desc, "real", lambda self: ("real", self.block_shape))
     return launch, _Jit()
@@ -51,7 +51,8 @@ def test_first_call_jits_later_calls_launch_directly(launcher):
     assert len(jit.log) == 2
 
 
-@pytest.mark.parametrize("change", ["int 1", "int not /16", "constexpr", "dtype", "block shape", "misaligned"])
+@pytest.mark.parametrize("change", ["int 1", "int not /16", "int64", "constexpr", "dtype", "block shape", "layout",
+                                    "misaligned"])
 def test_a_new_specialisation_class_goes_through_the_jit(launcher, change):
     launch, jit = launcher
     direct = launch.DirectLauncher(jit)
@@ -63,12 +64,16 @@ def test_a_new_specialisation_class_goes_through_the_jit(launcher, change):
         args[2] = 1                      # Triton compiles an int equal to 1 in as a constant
     elif change == "int not /16":
         args[2] = 40
+    elif change == "int64":
+        args[2] = 2 ** 32                # past int32: Triton passes it as a 64-bit int
     elif change == "constexpr":
         meta = dict(meta, STAGES=3)
     elif change == "dtype":
         args[1] = t.half()
     elif change == "block shape":
         args[0] = launch.Desc(t, [64, 8], [8, 1], (32, 8), "layout")
+    elif change == "layout":
+        args[0] = launch.Desc(t, [64, 8], [8, 1], (16, 8), "another layout")
     else:
         args[1] = t.view(-1)[1:]         # 4 bytes past a 16-byte boundary
     direct((1,), tuple(args), meta)

@@ -25,16 +25,20 @@ import triton
 import triton.language as tl
 
 from . import attn_bwd_hopper
-from .common import (KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
-                     offset, query_tiles, seq_bounds, tile_part, transform_log2)
+from .common import (KernelArgs, block_dim, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile,
+                     mask_scores, offset, query_tiles, seq_bounds, stride_align, tile_part, transform_log2)
+from .launch import DirectLauncher
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
 
 
 @triton.jit(do_not_specialize=["seqlen_q"])
-def _bwd_preprocess(Out, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
-                    stride_lb, stride_lh, seqlen_q, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-                    BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, ALIGN: tl.constexpr):
-    """Delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] (float32; laid out like lse)."""
+def _bwd_preprocess(Out, DO, Delta, CuQ, DQacc, stride_ob, stride_os, stride_oh, stride_dob, stride_dos, stride_doh,
+                    stride_lb, stride_lh, stride_ab, stride_as, stride_ah, seqlen_q, DV: tl.constexpr,
+                    BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, ALIGN: tl.constexpr,
+                    ZERO_DQ: tl.constexpr):
+    """Delta[b, h, i] = sum_d dO[b, i, h, d] * O[b, i, h, d] (float32; laid out like lse).
+    ZERO_DQ: also zero the rows' float32 dQ accumulator DQacc [B, Sq, Hq, DV] (the Hopper backward adds dQ
+    into it; D == Dv there): one launch instead of a separate torch.zeros memset."""
     pid_m = tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -49,6 +53,11 @@ def _bwd_preprocess(Out, DO, Delta, CuQ, stride_ob, stride_os, stride_oh, stride
                         ALIGN)
     delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
     tl.store(Delta + b64 * stride_lb + h64 * stride_lh + tl.cast(q_start, tl.int64) + offs_m, delta, mask=offs_m < sq)
+    if ZERO_DQ:
+        offs_d = tl.arange(0, BLOCK_DV)
+        rows = tl.cast(q_start + offs_m, tl.int64)
+        a_ptr = DQacc + b64 * stride_ab + h64 * stride_ah + rows[:, None] * stride_as + offs_d[None, :]
+        tl.store(a_ptr, tl.zeros([BLOCK_M, BLOCK_DV], tl.float32), mask=(offs_m[:, None] < sq) & (offs_d[None, :] < DV))
 
 
 @triton.jit
@@ -264,23 +273,23 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     dv = alloc(v.shape, dtype=v.dtype, device=v.device)
     if q.numel() == 0 or k.numel() == 0 or spec.batch == 0 or spec.seqlen_q == 0 or spec.seqlen_k == 0:
         return dq.zero_(), dk.zero_(), dv.zero_()
-    a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state)
-    a.cover(do, out, dq, dk, dv)
-    hq, hkv = spec.heads_q, spec.heads_kv
+    # sm_90, deterministic=False: FlashAttention-3's 5-matmul schedule in Gluon (kernels/attn_bwd_hopper.py),
+    # which adds dQ into a float32 buffer that the preprocess zeroes.
+    hopper = configs is None and not varlen and not attn_bwd_hopper.reasons(spec, q, k, v, do)
+    dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if hopper else None
     l_strides = (0, lse2.stride(0)) if varlen else (lse2.stride(0), lse2.stride(1))
     delta = torch.empty_like(lse2)
-    do_s, o_s = a.strides(do), a.strides(out)
-    pre_m = INTERPRETER_CONFIG.block_m if interpreting() else 64
-    _bwd_preprocess[(cdiv(spec.seqlen_q, pre_m), hq, spec.batch)](
-        out, do, delta, a.cu_q, *o_s, *do_s, *l_strides, a.seqlen_q, DV=spec.head_dim_v, BLOCK_M=pre_m,
-        BLOCK_DV=a.constexprs["BLOCK_DV"], IS_VARLEN=varlen, ALIGN=a.constexprs["ALIGN"], num_warps=4)
+    _preprocess(spec, out, do, delta, l_strides, cu_seqlens_q if varlen else None, dq_accum)
     if dlse is not None:
         delta.sub_(dlse)
-    if configs is None and not varlen and not attn_bwd_hopper.reasons(spec, q, k, v, do):
-        # sm_90, deterministic=False: FlashAttention-3's 5-matmul schedule in Gluon (dQ summed with atomics,
-        # kernels/attn_bwd_hopper.py).  None: it failed to compile here and has switched itself off.
-        if attn_bwd_hopper.backward(spec, do, q, k, v, out, lse2, delta, dq=dq, dk=dk, dv=dv) is not None:
-            return dq, dk, dv
+    # None: the Gluon kernel failed to compile here and has switched itself off (the Triton kernels serve).
+    if hopper and attn_bwd_hopper.backward(spec, do, q, k, v, out, lse2, delta, dq=dq, dk=dk, dv=dv,
+                                           dq_accum=dq_accum) is not None:
+        return dq, dk, dv
+    hq, hkv = spec.heads_q, spec.heads_kv
+    a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state)
+    a.cover(do, out, dq, dk, dv)
+    do_s = a.strides(do)
     common = (a.slope_stride, a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,
               a.drop_threshold, a.drop_scale, spec.softmax_scale)
     configs = configs or {}
@@ -317,3 +326,24 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
         dk.copy_(dk_out.unflatten(-2, (hkv, spec.group_size)).sum(-2))
         dv.copy_(dv_out.unflatten(-2, (hkv, spec.group_size)).sum(-2))
     return dq, dk, dv
+
+
+_preprocess_launch = DirectLauncher(_bwd_preprocess)
+
+
+def _preprocess(spec, out, do, delta, l_strides, cu_q, dq_accum) -> None:
+    """Delta = rowsum(dO * O) into `delta`, and dq_accum (when given: [B, Sq, Hq, D] float32) zeroed.
+    On a GPU it is launched directly (kernels/launch.py): it runs on every backward."""
+    varlen = spec.kind == "varlen"
+    st = lambda x: (0, x.stride(0), x.stride(1)) if varlen else x.stride()[:3]  # noqa: E731
+    block_m = INTERPRETER_CONFIG.block_m if interpreting() else 64
+    tensors = (out, do) if dq_accum is None else (out, do, dq_accum)
+    args = (out, do, delta, cu_q, dq_accum, *st(out), *st(do), *l_strides,
+            *((0, 0, 0) if dq_accum is None else st(dq_accum)), spec.seqlen_q)
+    meta = dict(DV=spec.head_dim_v, BLOCK_M=block_m, BLOCK_DV=block_dim(spec.head_dim_v), IS_VARLEN=varlen,
+                ALIGN=stride_align(*tensors), ZERO_DQ=dq_accum is not None, num_warps=4)
+    grid = (cdiv(spec.seqlen_q, block_m), spec.heads_q, spec.batch)
+    if out.is_cuda:
+        _preprocess_launch(grid, args, meta)
+    else:   # Triton's interpreter (CPU tensors), or bench/compile_report.py compiling without a GPU
+        _bwd_preprocess[grid](*args, **meta)

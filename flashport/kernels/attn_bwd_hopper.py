@@ -382,19 +382,21 @@ broken: dict = {}
 
 
 def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, variant: str | None = None,
-             warmup: bool = False):
+             warmup: bool = False, dq_accum=None):
     """Gradients (dq, dk, dv) shaped like q, k, v for a call `reasons` accepts, given dO, the forward's
     lse2 [B, Hq, Sq] and Delta [B, Hq, Sq] (float32, dlse already folded in); written into dq / dk / dv
     when given (contiguous, q's / k's / v's dtype).  None when the kernel fails to compile here (the
     caller then runs the Triton kernels).  `out` is unused (Delta carries it).  variant: a VARIANTS key
     (default: DEFAULT[D]).  warmup=True compiles without launching and returns the compiled kernel
-    (bench/gluon_bwd_probe.py)."""
+    (bench/gluon_bwd_probe.py).  dq_accum: the float32 [B, Sq, Hq, D] buffer dQ is added into, already
+    zeroed (attn_bwd's preprocess does it in the launch that computes Delta); default: a fresh torch.zeros."""
     b, sq, hq, d = q.shape
     tiles = VARIANTS[variant or DEFAULT[d]]
     sk = k.shape[1]
     group = spec.group_size
     lse2, delta = lse2.contiguous(), delta.contiguous()
-    dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
+    if dq_accum is None:
+        dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
     if group > 1:  # float32 partials per query head, summed per group below
         dk_out = torch.empty(b, sk, hq, d, dtype=torch.float32, device=k.device)
         dv_out = torch.empty_like(dk_out)

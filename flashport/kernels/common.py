@@ -305,17 +305,22 @@ class KernelArgs:
 
     def cover(self, *tensors) -> None:
         """Lower ALIGN (see `offset`) to what the batch / sequence / head strides of `tensors` share."""
-        align = self.constexprs["ALIGN"]
-        for x in tensors:
-            for st in x.stride()[:-1]:
-                while align > 1 and st % align:
-                    align //= 2
-        self.constexprs["ALIGN"] = align
+        self.constexprs["ALIGN"] = stride_align(*tensors, align=self.constexprs["ALIGN"])
 
     def strides(self, x):
         """(batch, seq, head) strides of a [B, S, H, D] or packed [total, H, D] tensor (head dim: 1)."""
         st = x.stride()
         return (0, st[0], st[1]) if self.varlen else st[:3]
+
+
+def stride_align(*tensors, align: int = 16) -> int:
+    """The largest power of two <= align dividing every stride but the last of every tensor: the ALIGN
+    constexpr (see `offset`)."""
+    for x in tensors:
+        for st in x.stride()[:-1]:
+            while align > 1 and st % align:
+                align //= 2
+    return align
 
 
 def cdiv(a: int, b: int) -> int:

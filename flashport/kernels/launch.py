@@ -1,4 +1,4 @@
-"""Direct launches of the Gluon Hopper kernels, without JITFunction.run's per-call work.
+"""Direct launches of compiled Triton / Gluon kernels, without JITFunction.run's per-call work.
 
 `kernel[grid](*args, **meta)` binds and specialises every argument, builds the cache key, checks the used
 globals and builds launch metadata for hooks on every call: about 20 us of host time, plus ~3 us per
@@ -8,9 +8,11 @@ specialisation class goes through the JIT (compiling, caching, validating the de
 hand the same compiled kernel's launcher the arguments directly.
 
 What decides Triton's specialisation is part of our key: each int's class (== 1: a constant; % 16 == 0;
->= 2**31), each tensor's dtype and 16-byte alignment, each descriptor's block shape and layout, the
-constexprs and the device.  With a launch hook installed (Triton's profiler, proton) every call takes the
-JIT path, so hooks still see every launch; PyTorch's profiler sees the kernels either way (CUPTI).
+outside int32), each tensor's dtype and 16-byte alignment, each descriptor's block shape and layout, the
+constexprs and the device.  The key is built on every call, so it is built from exact-type tests and a
+per-descriptor tuple made once (`Desc.spec`): a Gluon layout hashes in Python, microseconds per call.
+With a launch hook installed (Triton's profiler, proton) every call takes the JIT path, so hooks still see
+every launch; PyTorch's profiler sees the kernels either way (CUPTI).
 """
 from __future__ import annotations
 
@@ -26,11 +28,12 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
 class Desc:
     """A TMA descriptor's arguments, light enough to build per call: what the launcher reads (base's
     data_ptr, shape, strides, padding) and what specialises the kernel (block shape, layout)."""
-    __slots__ = ("base", "shape", "strides", "block_shape", "layout", "padding")
+    __slots__ = ("base", "shape", "strides", "block_shape", "layout", "padding", "spec")
 
     def __init__(self, base, shape, strides, block_shape, layout):
         self.base, self.shape, self.strides = base, shape, strides
         self.block_shape, self.layout, self.padding = block_shape, layout, "zero"
+        self.spec = (base.dtype, tuple(block_shape), _layout_token(layout))
 
     def real(self) -> "TensorDescriptor":
         """The Gluon TensorDescriptor the JIT binds (validated; over the 2D view of base)."""
@@ -42,15 +45,33 @@ def _jit_args(args) -> list:
     return [a.real() if isinstance(a, Desc) else a for a in args]
 
 
+# id(layout) -> (layout, token).  Holding the layout keeps its id from being reused by another object, so
+# one token names one layout object; two equal layout objects get two tokens (one extra JIT call, never a
+# wrong kernel).
+_layouts: dict = {}
+
+
+def _layout_token(layout) -> int:
+    entry = _layouts.get(id(layout))
+    if entry is None or entry[0] is not layout:
+        entry = _layouts[id(layout)] = (layout, len(_layouts))
+    return entry[1]
+
+
 def _spec_class(x):
-    if isinstance(x, Desc):
-        return (x.base.dtype, x.block_shape, x.layout)
+    t = type(x)
+    if t is int:
+        return (x == 1, x % 16 == 0, not -2 ** 31 <= x < 2 ** 31)
+    if t is Desc:
+        return x.spec
+    if t is float or x is None:
+        return t
+    if t is bool:
+        return x
     if isinstance(x, torch.Tensor):
         return (x.dtype, x.data_ptr() % 16 == 0)
-    if isinstance(x, bool):
-        return x
-    if isinstance(x, int):
-        return (x == 1, x % 16 == 0, x >= 2 ** 31)
+    if isinstance(x, int):   # an int subclass (not bool, handled above)
+        return (x == 1, x % 16 == 0, not -2 ** 31 <= x < 2 ** 31)
     return type(x)
 
 
@@ -69,7 +90,7 @@ class DirectLauncher:
         return kernel.result() if hasattr(kernel, "result") else kernel
 
     def __call__(self, grid, args, meta):
-        device = torch.cuda.current_device()
+        device = torch._C._cuda_getDevice()   # torch.cuda.current_device() without its lazy-init check
         key = (device, tuple(meta.items()), tuple(_spec_class(a) for a in args))
         entry = self._compiled.get(key)
         if entry is None or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:

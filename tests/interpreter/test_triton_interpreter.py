@@ -261,6 +261,25 @@ def test_gradient_through_lse(through_out):
         assert_within_rule(f"lse-grad {name}", a, r, lo, torch.float32, 3, mag=magnitude(q, k, v, do, dlse))
 
 
+@pytest.mark.parametrize("zero_dq", [False, True], ids=["delta", "delta-and-zeroed-dq-accum"])
+def test_backward_preprocess(zero_dq):
+    """The preprocess every backward runs: Delta = rowsum(dO * O) for each row (odd Sq: a partial tile), and
+    for the Hopper backward the float32 dQ accumulator zeroed in the same launch (poisoned with NaN first,
+    so a row it missed shows)."""
+    from flashport.kernels import attn_bwd
+    from flashport.spec import dense_spec
+    q = torch.randn(2, 37, 3, 32)
+    spec, _ = dense_spec(q, q, q, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+    out, do = torch.randn_like(q), torch.randn_like(q)
+    delta = torch.full((2, 3, 37), float("nan"))
+    acc = torch.full(q.shape, float("nan")) if zero_dq else None
+    attn_bwd._preprocess(spec, out, do, delta, delta.stride()[:2], None, acc)
+    torch.testing.assert_close(delta, (out * do).sum(-1).transpose(1, 2), rtol=1e-5, atol=1e-5)
+    if zero_dq:
+        assert torch.equal(acc, torch.zeros_like(acc))
+
+
 def test_no_grad_path_and_strided_lse_shapes():
     q, k, v = torch.randn(2, 9, 4, 16), torch.randn(2, 12, 2, 16), torch.randn(2, 12, 2, 16)
     with torch.no_grad():
