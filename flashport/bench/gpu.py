@@ -1,6 +1,7 @@
 """GPU suites: flashport's triton backend against its peers on the same card, in the same process.
 
-Per (shape, mode, implementation) one entry: median ms (do_bench), TFLOP/s by FlashAttention's
+Per (shape, mode, implementation) one entry: median ms (do_bench), host µs per call (for cells under
+HOST_BOUND_MS, where host time can show in the eager timing), TFLOP/s by FlashAttention's
 convention (or GB/s of K+V read for decode, timed both eagerly and replayed from a CUDA graph,
 every peer alike), MFU against the matmul ceiling measured in the same run, the wall time of the
 first call (compilation / autotuning), peak extra device memory, the max |difference| to the first
@@ -15,7 +16,7 @@ import torch
 from . import peers
 from .peers import NotApplicable
 from .shapes import Shape, flops, kv_bytes
-from .timing import gpu_graph_ms, gpu_ms, wall_s
+from .timing import HOST_BOUND_MS, gpu_graph_ms, gpu_ms, host_us, wall_s
 
 FLASHPORT = "flashport-triton"
 
@@ -57,19 +58,21 @@ def _dense(suite: str, shape: Shape, impls, device, ceil: dict, tick) -> list[di
                 fn = peers.dense_fn(impl, shape, q, k, v)
                 first_s, out = wall_s(lambda: peers.run_once(fn), device)
                 ms = gpu_ms(fn)
+                host = host_us(fn) if ms < HOST_BOUND_MS else None
                 diff = None if ref_out is None else (out.detach().float() - ref_out).abs().max().item()
                 if ref_out is None:
                     ref_out = out.detach().float()
                 peak = _peak_mb(fn, device)
                 f = flops(shape, "fwd")
-                entries.append(_entry(suite, shape, impl, "fwd", status="ok", ms=ms, tflops=f / ms / 1e9,
+                entries.append(_entry(suite, shape, impl, "fwd", status="ok", ms=ms, tflops=f / ms / 1e9, host_us=host,
                                       first_call_s=first_s, peak_mem_mb=peak, max_abs_diff=diff))
                 if train:
                     do = torch.randn_like(out)
                     bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
                     first_b, _ = wall_s(bwd, device)
                     ms_b = gpu_ms(bwd)
-                    entries.append(_entry(suite, shape, impl, "bwd", status="ok", ms=ms_b,
+                    host_b = host_us(bwd) if ms_b < HOST_BOUND_MS else None
+                    entries.append(_entry(suite, shape, impl, "bwd", status="ok", ms=ms_b, host_us=host_b,
                                           tflops=flops(shape, "bwd") / ms_b / 1e9, first_call_s=first_b))
         except Exception as e:  # recorded, never fatal
             done = {x["mode"] for x in entries if x["impl"] == impl}

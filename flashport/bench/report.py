@@ -98,8 +98,8 @@ def _graph_cell(e: dict) -> str:
 
 
 def gpu_table(entries: list[dict]) -> str:
-    head = ("shape", "mode", "impl", "status", "ms", "TFLOP/s | GB/s", "MFU | copy", "graph: ms GB/s copy",
-            "first call s", "speedup vs peers (graph)", "note")
+    head = ("shape", "mode", "impl", "status", "ms", "host us", "TFLOP/s | GB/s", "MFU | copy",
+            "graph: ms GB/s copy", "first call s", "speedup vs peers (graph)", "note")
     rows = []
     for e in entries:
         rate = e.get("tflops", e.get("gbps"))
@@ -108,7 +108,8 @@ def gpu_table(entries: list[dict]) -> str:
         sp = " ".join(f"{k}:{v:.2f}" + (f" ({graph_sp[k]:.2f})" if k in graph_sp else "")
                       for k, v in (e.get("speedup_vs") or {}).items())
         note = e.get("error") or e.get("graph_fallback") or ""
-        rows.append((e["label"], e["mode"], e["impl"], e["status"], _fmt(e.get("ms")), _fmt(rate, ".1f"),
+        rows.append((e["label"], e["mode"], e["impl"], e["status"], _fmt(e.get("ms")), _fmt(e.get("host_us"), ".0f"),
+                     _fmt(rate, ".1f"),
                      _pct(frac), _graph_cell(e), _fmt(e.get("first_call_s"), ".2f"), sp, note[:70]))
     return _table(head, rows)
 

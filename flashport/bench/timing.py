@@ -1,6 +1,7 @@
 """Timers and measured ceilings.
 
-GPU: medians from `triton.testing.do_bench` (it flushes L2 between runs), CUDA events otherwise;
+GPU: medians from `triton.testing.do_bench` (it flushes L2 between runs), CUDA events otherwise; `host_us`
+is the host time of one call (what an eager call costs before its kernels can start);
 `gpu_graph_ms` times the same call replayed from a CUDA graph (no Python, launcher or allocator work
 per call: what a serving loop that captures its decode step pays), also with L2 flushed per replay.
 CPU: wall-clock medians with time.perf_counter.  Ceilings are measured in the same run on the same
@@ -102,6 +103,25 @@ def gpu_graph_ms(fn: Callable[[], object], warmup: int = 3, rep_ms: float = 100.
     ms = statistics.median(timed_replay() for _ in range(n))
     del graph
     return ms, None
+
+
+HOST_BOUND_MS = 5.0   # cells longer than this are GPU-bound whatever the host does: host time not measured
+
+
+def host_us(fn: Callable[[], object], calls: int = 10, batches: int = 3) -> float:
+    """Host microseconds per call: the median over `batches` of the wall time of `calls` back-to-back calls
+    without a sync, divided by `calls`.  The GPU runs behind (a few launches per call stay far from the
+    driver's queue limit), so this is the host's own work.  do_bench's L2 flush (~85 us on an H200) hides host
+    time only up to its own length: a cell whose host time is longer reads the excess as GPU time."""
+    times = []
+    for _ in range(batches):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - t0) / calls * 1e6)
+    torch.cuda.synchronize()
+    return statistics.median(times)
 
 
 def wall_s(fn: Callable[[], object], device) -> tuple[float, object]:
