@@ -91,14 +91,17 @@ def compile_only(pairs) -> list:
     from flashport.kernels import attn_bwd_hopper
     driver.set_active(_HopperTarget())
     rows = []
-    cases = [(torch.bfloat16, 1, False), (torch.bfloat16, 1, True), (torch.bfloat16, 2, False),
-             (torch.bfloat16, 2, True), (torch.float16, 1, True)]
+    # (dtype, GQA group, causal, length): 256 = whole tiles; 200 / 300 = ragged (the RAGGED compilation)
+    cases = [(torch.bfloat16, 1, False, 256), (torch.bfloat16, 1, True, 256), (torch.bfloat16, 2, False, 256),
+             (torch.bfloat16, 2, True, 256), (torch.float16, 1, True, 256), (torch.bfloat16, 2, False, 200),
+             (torch.bfloat16, 1, True, 300)]
     for name, d in pairs:
-        for dtype, gqa, causal in cases:
-            q = torch.zeros(1, 256, 2 * gqa, d, dtype=dtype)
-            k = torch.zeros(1, 256, 2, d, dtype=dtype)
-            lse = torch.zeros(1, 2 * gqa, 256)
-            row = {"variant": name, "d": d, "dtype": str(dtype).split(".")[-1], "gqa": gqa, "causal": causal}
+        for dtype, gqa, causal, n in cases:
+            q = torch.zeros(1, n, 2 * gqa, d, dtype=dtype)
+            k = torch.zeros(1, n, 2, d, dtype=dtype)
+            lse = torch.zeros(1, 2 * gqa, n)
+            row = {"variant": name, "d": d, "dtype": str(dtype).split(".")[-1], "gqa": gqa, "causal": causal,
+                   "ragged": n % attn_bwd_hopper.BLOCK_N != 0}
             try:
                 t0 = time.time()
                 ck = attn_bwd_hopper.backward(_spec(q, k, causal), q, q, k, k, q, lse, lse, variant=name,
@@ -115,7 +118,7 @@ def compile_only(pairs) -> list:
                 continue
             s = row["sass"]
             ok = row["stack_bytes"] == 0 and s["LDL"] + s["STL"] == 0 and row["shared_bytes"] <= SMEM_LIMIT
-            print(f"{name:7} D={d} {row['dtype']:8} gqa={gqa} causal={causal:d} regs={row['registers']} "
+            print(f"{name:7} D={d} {row['dtype']:8} gqa={gqa} causal={causal:d} S={n} regs={row['registers']} "
                   f"max_reg={row.get('max_register_used')} stack={row['stack_bytes']} LDL/STL={s['LDL']}/{s['STL']} "
                   f"smem={row['shared_bytes']} HGMMA={s['HGMMA']} REDG={s['REDG']} ATOMG={s['ATOMG']} "
                   f"{'clean' if ok else 'NOT CLEAN (spills or smem)'}; per-Q-tile loops (instrs, LDL, STL): "
@@ -154,7 +157,8 @@ def check(pairs, dev) -> list:
     rows = []
     shapes = [(2, 256, 4, 4, False, torch.bfloat16), (2, 512, 4, 2, True, torch.bfloat16),
               (2, 512, 4, 2, False, torch.bfloat16), (2, 256, 4, 4, True, torch.bfloat16),
-              (1, 384, 8, 2, True, torch.float16), (2, 512, 4, 4, False, torch.float16)]
+              (1, 384, 8, 2, True, torch.float16), (2, 512, 4, 4, False, torch.float16),
+              (2, 200, 4, 2, False, torch.bfloat16), (3, 300, 4, 4, True, torch.float16)]   # ragged lengths
     for (b, s, hq, hkv, causal, dtype), d in ((shape, d) for d in sorted({d for _, d in pairs}) for shape in shapes):
         torch.manual_seed(0)
         q = torch.randn(b, s, hq, d, device=dev, dtype=dtype)
@@ -200,7 +204,8 @@ def bench(pairs, dev, rep, deadline) -> list:
     shapes = {128: [(4, 4096, 16, 16, False), (4, 4096, 16, 16, True), (1, 16384, 16, 16, False),
                     (1, 16384, 16, 16, True), (1, 8192, 32, 8, True)],
               64: [(16, 1024, 32, 32, False), (4, 4096, 32, 32, False), (4, 4096, 32, 32, True),
-                   (1, 16384, 32, 32, False)]}   # the standard set's heads at D=64
+                   (1, 16384, 32, 32, False),    # the standard set's heads at D=64
+                   (8, 1500, 20, 20, False)]}    # Whisper's encoder: a ragged length (RAGGED)
     for d in sorted({d for _, d in pairs}, reverse=True):
         for b, s, hq, hkv, causal in shapes[d]:
             rows += _bench_shape(b, s, hq, hkv, d, causal, [n for n, dn in pairs if dn == d], dev, rep, deadline)

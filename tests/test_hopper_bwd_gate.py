@@ -40,8 +40,8 @@ def bwd(monkeypatch):
     (dict(window=(256, 0)), "window"),
     (dict(window=(-1, 64)), "window"),
     (dict(s=512, sk=1024, causal=True), "Sq == Sk"),
-    (dict(s=1000), "multiples of 128"),
-    (dict(s=256, sk=200), "multiples of 128"),
+    (dict(s=100), "at least 128"),
+    (dict(s=256, sk=100), "at least 128"),
     (dict(b=0), "batch * heads"),
     (dict(b=8192, hq=16, hkv=16), "batch * heads"),           # grid y would pass 65535
     (dict(s=1 << 24, hq=1, hkv=1), "int32"),                  # per-head offsets are 32-bit
@@ -67,7 +67,8 @@ def test_gate_reaches_the_device_checks_for_a_servable_call(monkeypatch, bwd):
         pytest.skip("Gluon not installed")
     monkeypatch.setattr(bwd, "_capability", lambda index: (8, 0))
     for kw in (dict(), dict(causal=True), dict(hq=8, hkv=2), dict(s=256, sk=640), dict(dtype=torch.float16),
-               dict(d=64), dict(d=64, causal=True, hq=8, hkv=1)):
+               dict(d=64), dict(d=64, causal=True, hq=8, hkv=1),
+               dict(s=1500, d=64), dict(s=200, sk=333, hq=4, hkv=2), dict(s=300, causal=True)):   # ragged: padded
         spec, q, k = _spec(**kw)
         assert "sm_90" in bwd.reasons(spec, q, k, k, q)[0], kw
     monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))
@@ -103,7 +104,7 @@ def test_default_variants_compile_for_sm90a(tmp_path):
     """The kernel has no interpreter: this is its CPU-side check, compiled for sm_90a with Triton's bundled
     ptxas (bench/gluon_bwd_probe.py --compile-only, in a subprocess because the interpreter tier sets
     TRITON_INTERPRET in every test process): the library's variant for each head dim, bf16 / fp16, causal
-    and not, MHA and GQA all compile to
+    and not, MHA and GQA, whole tiles and ragged lengths all compile to
     HGMMA (no HMMA), TMA loads, TMA reduce-adds for dQ, setmaxnreg, registers within the
     consumers' 240 and shared memory within sm_90's opt-in.  Spills: ptxas spills a few scalars today (<= 32
     bytes of stack, a handful of LDL per Q tile); the bound catches a change that makes it spill for real."""
@@ -127,7 +128,8 @@ def test_default_variants_compile_for_sm90a(tmp_path):
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = json.loads(out.read_text())["compile"]
     assert sorted({(r["variant"], r["d"]) for r in rows}) == sorted((v, d) for d, v in attn_bwd_hopper.DEFAULT.items())
-    assert len(rows) == 5 * len(attn_bwd_hopper.DEFAULT)
+    assert len(rows) == 7 * len(attn_bwd_hopper.DEFAULT)
+    assert sum(r["ragged"] for r in rows) == 2 * len(attn_bwd_hopper.DEFAULT)   # the RAGGED compilation too
     for r in rows:
         assert "error" not in r, r["error"]
         s, ops = r["sass"], r.get("sass_ops", {})

@@ -118,7 +118,8 @@ class TritonBackend(dispatch.Backend):
                                       "MIN_KEYS_CAUSAL), no window/softcap/ALiBi/dropout: Gluon kernel with "
                                       "FlashAttention-3's schedule (FLASHPORT_HOPPER_FWD=0: off)",
                     "hopper_backward": "sm_90: D = 64 or 128 bf16/fp16 contiguous backward with deterministic=False, "
-                                       "lengths a multiple of 128, no window/softcap/ALiBi/dropout: Gluon kernel "
+                                       "lengths >= 128 (ragged ones too: the last tiles masked), "
+                                       "no window/softcap/ALiBi/dropout: Gluon kernel "
                                        "with FA3's 5-matmul schedule, dQ summed into float32 by TMA reduce-adds "
                                        "(FLASHPORT_HOPPER_BWD=0: off; deterministic=True keeps the bitwise "
                                        "reproducible Triton kernels)"}

@@ -33,6 +33,14 @@ Equivalent PyTorch math (per batch entry and query head, s = softmax_scale, K/V 
     dS = P * (dP - Delta);     dQ = s * dS K;  dK = s * dS^T Q
 Inputs: q, do [B, Sq, Hq, D]; k, v [B, Sk, Hkv, D] with D = 64 or 128 (one schedule: the head dim changes
 the matmuls' sizes and the shared memory, not the code); lse2 = lse / ln 2 and Delta [B, Hq, Sq] float32.
+
+Ragged lengths (RAGGED; e.g. Whisper's 1500 frames): the last tiles of a batch entry reach past its rows, into
+the next entry's (or, for the last entry, past the tensor, where TMA fills zeros).  Nothing is copied:
+* a query row past Sq reads lse2 = +inf and Delta = 0 (lse2 / Delta padded to whole tiles on the host, a few
+  KB), so P = 0 and dS = 0 there: it adds nothing to dK, dV, and zeros to the dQ rows it reaches (adding zero
+  to another entry's rows, or past the tensor, where TMA drops the add);
+* a key row past Sk gets P = 0 (masked in the entry's last K/V tile), so its dS column adds nothing to dQ,
+  and its dK, dV rows are not stored.
 """
 from __future__ import annotations
 
@@ -41,6 +49,7 @@ import warnings
 from typing import NamedTuple
 
 import torch
+import torch.nn.functional as F
 import triton
 
 from .attn_fwd_hopper import _capability, _descriptor, feature_reasons  # shared with the forward
@@ -103,11 +112,11 @@ def reasons(spec, q, k, v, do, out=None) -> list[str]:
     plain = feature_reasons(spec)
     if plain:
         return plain
-    if spec.seqlen_q % BLOCK_N or spec.seqlen_k % BLOCK_N or min(spec.seqlen_q, spec.seqlen_k) == 0:
-        return [f"sequence lengths must be non-zero multiples of {BLOCK_N}"]
+    if min(spec.seqlen_q, spec.seqlen_k) < BLOCK_N:
+        return [f"sequence lengths must be at least {BLOCK_N} (one K/V tile; shorter ones would be mostly padding)"]
     if spec.batch == 0 or spec.batch * spec.heads_q > MAX_GRID_Y:
         return [f"batch * heads must be in [1, {MAX_GRID_Y}]"]
-    if max(spec.seqlen_q, spec.seqlen_k) * spec.head_dim >= 2 ** 31:
+    if padded(max(spec.seqlen_q, spec.seqlen_k)) * spec.head_dim >= 2 ** 31:
         return ["sequence length * head dim must fit in int32 (per-head offsets are 32-bit)"]
     if not enabled():
         return [f"Gluon (Triton {TESTED_TRITON}.x) unavailable or FLASHPORT_HOPPER_BWD=0"]
@@ -137,12 +146,23 @@ if gluon is not None:
     # partition reads them off its shared-memory descriptors.
 
     @gluon.jit
-    def _q_tiles(seqlen_q, CAUSAL: gl.constexpr):
+    def _q_tiles(seqlen_q, CAUSAL: gl.constexpr, RAGGED: gl.constexpr):
         """(first Q tile, number of Q tiles) of this program's K/V tile."""
         j0 = 0
         if CAUSAL:
             j0 = gl.program_id(0) * (_BLOCK_N // _BLOCK_M)   # Sq == Sk: the diagonal's first Q tile
-        return j0, seqlen_q // _BLOCK_M - j0
+        n_tiles = seqlen_q // _BLOCK_M
+        if RAGGED:
+            n_tiles = (seqlen_q + _BLOCK_M - 1) // _BLOCK_M
+        return j0, n_tiles - j0
+
+    @gluon.jit
+    def _stats_len(seqlen_q, RAGGED: gl.constexpr):
+        """Row length of lse2 / Delta [B, Hq, .]: Sq, or Sq padded to whole 128-row tiles (RAGGED, see backward)."""
+        n = seqlen_q
+        if RAGGED:
+            n = (seqlen_q + _BLOCK_N - 1) // _BLOCK_N * _BLOCK_N
+        return n
 
     @gluon.jit
     def _drain_dq(t, dq_smem, dq_bars, dq_desc, h, q_row0, DQ_BUFS: gl.constexpr):
@@ -176,7 +196,7 @@ if gluon is not None:
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, do_ready,
                   qdo_empty, dq_smem, dq_bars, dq_desc, stat_smem, lse_ptr, delta_ptr, sm_scale, seqlen_q, seqlen_k,
-                  group, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFS: gl.constexpr):
+                  group, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr):
         """TMA issue: K and V once, then Q_j / dO_j into stage i % STAGES once both consumers freed it, with
         Q_j's lse2 and Delta rows into stat_smem (plain loads and stores: 512 bytes per tile).  Also dQ_j's
         reduce-adds (_drain_dq), for tile i - STAGES right after issuing tile i: the qdo_empty wait just
@@ -191,8 +211,9 @@ if gluon is not None:
         kv_row = b * seqlen_k + gl.program_id(0) * _BLOCK_N
         tma.async_copy_global_to_shared(k_desc, [kv_row, (h // group) * HEAD_DIM], kv_ready, k_smem)
         tma.async_copy_global_to_shared(v_desc, [kv_row, (h // group) * HEAD_DIM], kv_ready, v_smem)
-        j0, n_iter = _q_tiles(seqlen_q, CAUSAL)
+        j0, n_iter = _q_tiles(seqlen_q, CAUSAL, RAGGED)
         q_row = b * seqlen_q + j0 * _BLOCK_M
+        stats_row = pid_bh.to(gl.int64) * _stats_len(seqlen_q, RAGGED)
         vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         for i in range(n_iter):
             s = i % STAGES
@@ -206,9 +227,9 @@ if gluon is not None:
                                             do_smem.index(s))
             # lse2 / Delta after both copies are issued, so that these loads' latency delays neither
             rows = (j0 + i) * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
-            stat_smem.index(s).store(gl.load(lse_ptr + pid_bh.to(gl.int64) * seqlen_q + rows))
+            stat_smem.index(s).store(gl.load(lse_ptr + stats_row + rows))
             # Delta times softmax_scale: the form dS = P * (dP * scale - Delta * scale) uses
-            delta = gl.load(delta_ptr + pid_bh.to(gl.int64) * seqlen_q + rows) * sm_scale
+            delta = gl.load(delta_ptr + stats_row + rows) * sm_scale
             stat_smem.index(STAGES + s).store(delta)
             mbarrier.arrive(q_ready.index(s), count=1)   # q_ready's second arrival (after a partition barrier)
             if i >= STAGES:
@@ -218,8 +239,8 @@ if gluon is not None:
 
     @gluon.jit
     def _step(i, j, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
-              dq_smem, dq_bars, stat_smem, kv_rows, qk_scale, sm_scale, WG: gl.constexpr, MASK: gl.constexpr,
-              DQ_BUFS: gl.constexpr):
+              dq_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale, sm_scale, WG: gl.constexpr,
+              MASK: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr):
         """Q tile j (the i-th of this program): dK, dV updated, this warpgroup's half of dQ_j handed to the
         producer through dq_smem."""
         dtype: gl.constexpr = q_smem.dtype
@@ -250,6 +271,11 @@ if gluon is not None:
         if MASK:
             if i < 2:
                 s_t = gl.where(cols[None, :] >= kv_rows[:, None], s_t, float("-inf"))
+        # Ragged Sk: rows of this K/V tile past Sk (the next batch entry's keys, or TMA's zero fill) get P = 0,
+        # so their dS column adds nothing to dQ.  Only a batch entry's last tile reaches past Sk.
+        if RAGGED:
+            if (gl.program_id(0) + 1) * _BLOCK_N > seqlen_k:
+                s_t = gl.where(kv_rows[:, None] < seqlen_k, s_t, float("-inf"))
         p_t = gl.exp2(s_t * qk_scale - lse2[None, :]).to(dtype)
         dv_tok = warpgroup_mma(gl.convert_layout(p_t, p_layout), do_s, dv, is_async=True)
         delta = stat_smem.index(STAGES + s).load(col_s)          # already times softmax_scale
@@ -285,7 +311,8 @@ if gluon is not None:
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                   dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
-                  WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFS: gl.constexpr):
+                  WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFS: gl.constexpr,
+                  RAGGED: gl.constexpr):
         """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, D]."""
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -303,12 +330,12 @@ if gluon is not None:
         k_half = k_smem.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
         dk = gl.zeros([_WG_N, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([_WG_N, HEAD_DIM], gl.float32, acc_layout)
-        j0, n_iter = _q_tiles(seqlen_q, CAUSAL)
+        j0, n_iter = _q_tiles(seqlen_q, CAUSAL, RAGGED)
         mbarrier.wait(kv_ready, 0)
         for i in range(n_iter):
             dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
-                           qdo_empty, ds_ready, dq_smem, dq_bars, stat_smem, kv_rows, qk_scale, sm_scale, WG,
-                           CAUSAL, DQ_BUFS)
+                           qdo_empty, ds_ready, dq_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale,
+                           sm_scale, WG, CAUSAL, DQ_BUFS, RAGGED)
 
         # Epilogue: dK, dV rows of query head h into [B, Sk, Hq, D]: dk / dv themselves without GQA, else
         # float32 partials.  Hq is a compile-time constant: with constant row strides the per-thread offsets
@@ -319,13 +346,18 @@ if gluon is not None:
         rows = gl.arange(0, _WG_N, layout=gl.SliceLayout(1, acc_layout))
         dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
         offs = rows[:, None] * row_stride + dcols[None, :]
-        gl.store(dk_ptr + tile + offs, dk.to(dk_ptr.dtype.element_ty))
-        gl.store(dv_ptr + tile + offs, dv.to(dv_ptr.dtype.element_ty))
+        if RAGGED:   # rows past Sk belong to the next batch entry (or past the tensor): not written
+            keep = (kv0 + rows)[:, None] < seqlen_k
+            gl.store(dk_ptr + tile + offs, dk.to(dk_ptr.dtype.element_ty), mask=keep)
+            gl.store(dv_ptr + tile + offs, dv.to(dv_ptr.dtype.element_ty), mask=keep)
+        else:
+            gl.store(dk_ptr + tile + offs, dk.to(dk_ptr.dtype.element_ty))
+            gl.store(dv_ptr + tile + offs, dv.to(dv_ptr.dtype.element_ty))
 
     @gluon.jit
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
                          seqlen_k, group, qk_scale, sm_scale, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr,
-                         STAGES: gl.constexpr, DQ_BUFS: gl.constexpr):
+                         STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr):
         """q_desc / do_desc: [BLOCK_M, D] blocks; k_desc / v_desc: [BLOCK_N, D]; dq_desc: [BLOCK_M, D / 2]
         float32 (one warpgroup's half of dQ_j)."""
         dtype: gl.constexpr = q_desc.dtype
@@ -362,13 +394,13 @@ if gluon is not None:
         gl.warp_specialize([
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready,
                          do_ready, qdo_empty, dq_smem, dq_bars, dq_desc, stat_smem, lse_ptr, delta_ptr, sm_scale,
-                         seqlen_q, seqlen_k, group, HEADS_Q, CAUSAL, DQ_BUFS)),
+                         seqlen_q, seqlen_k, group, HEADS_Q, CAUSAL, DQ_BUFS, RAGGED)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                          dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale, 0,
-                         HEADS_Q, CAUSAL, DQ_BUFS)),
+                         HEADS_Q, CAUSAL, DQ_BUFS, RAGGED)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                          dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale, 1,
-                         HEADS_Q, CAUSAL, DQ_BUFS)),
+                         HEADS_Q, CAUSAL, DQ_BUFS, RAGGED)),
         ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
 
     _launch = DirectLauncher(_attn_bwd_hopper)
@@ -381,6 +413,11 @@ _compiled: set = set()
 broken: dict = {}
 
 
+def padded(n: int) -> int:
+    """n rows rounded up to whole 128-row tiles (RAGGED: the kernel's K/V tiles and lse2 / Delta rows)."""
+    return -(-n // BLOCK_N) * BLOCK_N
+
+
 def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, variant: str | None = None,
              warmup: bool = False, dq_accum=None):
     """Gradients (dq, dk, dv) shaped like q, k, v for a call `reasons` accepts, given dO, the forward's
@@ -388,13 +425,18 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     when given (contiguous, q's / k's / v's dtype).  None when the kernel fails to compile here (the
     caller then runs the Triton kernels).  `out` is unused (Delta carries it).  variant: a VARIANTS key
     (default: DEFAULT[D]).  warmup=True compiles without launching and returns the compiled kernel
-    (bench/gluon_bwd_probe.py).  dq_accum: the float32 [B, Sq, Hq, D] buffer dQ is added into, already
-    zeroed (attn_bwd's preprocess does it in the launch that computes Delta); default: a fresh torch.zeros."""
+    (bench/gluon_bwd_probe.py).  dq_accum: the float32 [B, Sq, Hq, D] buffer dQ is added into, already zeroed
+    (attn_bwd's preprocess does it in the launch that computes Delta); default: a fresh torch.zeros."""
     b, sq, hq, d = q.shape
     tiles = VARIANTS[variant or DEFAULT[d]]
     sk = k.shape[1]
     group = spec.group_size
-    lse2, delta = lse2.contiguous(), delta.contiguous()
+    ragged = bool(sq % BLOCK_N or sk % BLOCK_N)
+    if ragged:   # query rows past Sq read lse2 = +inf, Delta = 0 (the module docstring says why)
+        lse2 = F.pad(lse2, (0, padded(sq) - sq), value=float("inf"))
+        delta = F.pad(delta, (0, padded(sq) - sq))
+    else:
+        lse2, delta = lse2.contiguous(), delta.contiguous()
     if dq_accum is None:
         dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
     if group > 1:  # float32 partials per query head, summed per group below
@@ -403,17 +445,18 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     else:          # written in place
         dk_out = dk if dk is not None else torch.empty_like(k)
         dv_out = dv if dv is not None else torch.empty_like(v)
-    grid = (sk // BLOCK_N, b * hq)
+    grid = (padded(sk) // BLOCK_N, b * hq)
     # dq_accum's descriptor: [64, D / 2] float32 boxes (one warpgroup's half of dQ_j), for the reduce-adds.
     args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
             _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dk_out, dv_out, sq, sk, group,
             spec.softmax_scale * LOG2E, spec.softmax_scale)
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and causal.
-    meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, STAGES=tiles.stages, DQ_BUFS=tiles.dq_bufs, num_warps=4)
+    meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, STAGES=tiles.stages, DQ_BUFS=tiles.dq_bufs, RAGGED=ragged,
+                num_warps=4)
     if warmup:
         return _launch.compile(grid, args, meta)
     key = (q.dtype, d, spec.causal, q.device)
-    if (tiles, hq, group > 1, *key) not in _compiled:
+    if (tiles, hq, group > 1, ragged, *key) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             _launch.compile(grid, args, meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernels"
@@ -421,7 +464,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
             warnings.warn(f"flashport: the Hopper backward failed to compile for {key} and is switched off "
                           f"for it; the Triton kernels serve instead ({broken[key]})", RuntimeWarning, stacklevel=3)
             return None
-        _compiled.add((tiles, hq, group > 1, *key))
+        _compiled.add((tiles, hq, group > 1, ragged, *key))
     _launch(grid, args, meta)
     # dQ already carries softmax_scale (folded into dS): the epilogue is a cast.
     dq = dq.copy_(dq_accum) if dq is not None else dq_accum.to(q.dtype)
