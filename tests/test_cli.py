@@ -109,7 +109,8 @@ def _fake_gpu_doc():
             for mode in shape.modes:
                 e = gpu._entry("standard", shape, impl, mode, status="ok" if ms else "failed")
                 if ms:
-                    e.update(ms=ms, tflops=flops(shape, mode) / ms / 1e9)
+                    e.update(ms=ms, tflops=flops(shape, mode) / ms / 1e9,
+                             host_us=987.6 if impl == "flashport-triton" else None)
                 else:
                     e["error"] = "RuntimeError: boom"
                 entries.append(e)
@@ -125,6 +126,25 @@ def test_gpu_ratios_table_and_plot_from_synthetic_results(tmp_path):
     assert all(0 < e["mfu"] == e["tflops"] / 700.0 for e in fp)
     table = report.gpu_table(doc["results"])
     assert "failed" in table and "boom" in table and "sdpa-fa2:1.50" in table
+    head, _, first = table.splitlines()[:3]
+    col = head.index("host us")
+    assert first[col:].split()[0] == "988"                               # host µs per call, its own column
     path = tmp_path / "g.png"
     report.plot_gpu(doc, str(path))
     assert path.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_host_us_times_unsynchronised_calls(monkeypatch):
+    """host_us: the median over batches of (wall time of `calls` calls) / calls, with a sync only around each
+    batch, so that what is timed is the host's own work (the GPU may run behind)."""
+    from flashport.bench import timing
+    syncs, clock, calls = [], [0.0], []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: syncs.append(len(calls)))
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: clock[0])
+
+    def fn():   # 5, 7 and 6 us per call in the three batches
+        calls.append(1)
+        clock[0] += (5e-6, 7e-6, 6e-6)[(len(calls) - 1) // 10]
+    assert timing.host_us(fn, calls=10, batches=3) == pytest.approx(6.0)
+    assert len(calls) == 30 and syncs == [0, 10, 20, 30]
+
