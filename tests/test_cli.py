@@ -147,4 +147,3 @@ def test_host_us_times_unsynchronised_calls(monkeypatch):
         clock[0] += (5e-6, 7e-6, 6e-6)[(len(calls) - 1) // 10]
     assert timing.host_us(fn, calls=10, batches=3) == pytest.approx(6.0)
     assert len(calls) == 30 and syncs == [0, 10, 20, 30]
-

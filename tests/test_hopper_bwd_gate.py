@@ -68,7 +68,7 @@ def test_gate_reaches_the_device_checks_for_a_servable_call(monkeypatch, bwd):
     monkeypatch.setattr(bwd, "_capability", lambda index: (8, 0))
     for kw in (dict(), dict(causal=True), dict(hq=8, hkv=2), dict(s=256, sk=640), dict(dtype=torch.float16),
                dict(d=64), dict(d=64, causal=True, hq=8, hkv=1),
-               dict(s=1500, d=64), dict(s=200, sk=333, hq=4, hkv=2), dict(s=300, causal=True)):   # ragged: padded
+               dict(s=1500, d=64), dict(s=200, sk=333, hq=4, hkv=2), dict(s=300, causal=True)):   # ragged lengths
         spec, q, k = _spec(**kw)
         assert "sm_90" in bwd.reasons(spec, q, k, k, q)[0], kw
     monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))

@@ -41,9 +41,9 @@ SERVED = [
     Case(b=1, sq=384, sk=640, hq=8, hkv=2, d=64),                    # Sq != Sk, GQA
     Case(b=1, sq=1024, sk=1024, hq=4, hkv=1, d=64, causal=True),     # MQA, 8 K/V tiles per head
     # Ragged lengths (RAGGED): the last tiles reach into the next batch entry's rows or past the tensor
-    Case(b=1, sq=200, sk=256, hq=2, hkv=2, d=128),                   # only Sq padded
+    Case(b=1, sq=200, sk=256, hq=2, hkv=2, d=128),                   # only Sq ragged
     Case(b=2, sq=200, sk=333, hq=4, hkv=2, d=128),                   # both, GQA, B > 1 (no row of the next entry)
-    Case(b=2, sq=300, sk=300, hq=2, hkv=2, d=128, causal=True),      # causal: padded keys past every diagonal
+    Case(b=2, sq=300, sk=300, hq=2, hkv=2, d=128, causal=True),      # causal: keys past Sk lie past every real query's diagonal
     Case(b=2, sq=1500, sk=1500, hq=4, hkv=4, d=64),                  # Whisper's encoder length
     Case(b=3, sq=129, sk=700, hq=2, hkv=1, d=64),                    # one row past a tile, MQA
 ]
