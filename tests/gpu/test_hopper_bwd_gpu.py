@@ -43,7 +43,7 @@ SERVED = [
     # Ragged lengths (RAGGED): the last tiles reach into the next batch entry's rows or past the tensor
     Case(b=1, sq=200, sk=256, hq=2, hkv=2, d=128),                   # only Sq ragged
     Case(b=2, sq=200, sk=333, hq=4, hkv=2, d=128),                   # both, GQA, B > 1 (no row of the next entry)
-    Case(b=2, sq=300, sk=300, hq=2, hkv=2, d=128, causal=True),      # causal: keys past Sk lie past every real query's diagonal
+    Case(b=2, sq=300, sk=300, hq=2, hkv=2, d=128, causal=True),      # causal: keys past Sk lie past every diagonal
     Case(b=2, sq=1500, sk=1500, hq=4, hkv=4, d=64),                  # Whisper's encoder length
     Case(b=3, sq=129, sk=700, hq=2, hkv=1, d=64),                    # one row past a tile, MQA
 ]
