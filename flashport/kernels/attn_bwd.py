@@ -25,8 +25,8 @@ import triton
 import triton.language as tl
 
 from . import attn_bwd_hopper
-from .common import (KernelArgs, block_dim, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile,
-                     mask_scores, offset, query_tiles, seq_bounds, stride_align, tile_part, transform_log2)
+from .common import (KernelArgs, block_dim, cdiv, dropout_keep, head_scalars, head_strides, key_tiles, load_head_tile,
+                     load_tile, mask_scores, offset, query_tiles, seq_bounds, stride_align, tile_part, transform_log2)
 from .launch import DirectLauncher
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
 
@@ -335,7 +335,7 @@ def _preprocess(spec, out, do, delta, l_strides, cu_q, dq_accum) -> None:
     """Delta = rowsum(dO * O) into `delta`, and dq_accum (when given: [B, Sq, Hq, D] float32) zeroed.
     On a GPU it is launched directly (kernels/launch.py): it runs on every backward."""
     varlen = spec.kind == "varlen"
-    st = lambda x: (0, x.stride(0), x.stride(1)) if varlen else x.stride()[:3]  # noqa: E731
+    st = lambda x: head_strides(x, varlen)  # noqa: E731
     block_m = INTERPRETER_CONFIG.block_m if interpreting() else 64
     tensors = (out, do) if dq_accum is None else (out, do, dq_accum)
     args = (out, do, delta, cu_q, dq_accum, *st(out), *st(do), *l_strides,

@@ -308,9 +308,13 @@ class KernelArgs:
         self.constexprs["ALIGN"] = stride_align(*tensors, align=self.constexprs["ALIGN"])
 
     def strides(self, x):
-        """(batch, seq, head) strides of a [B, S, H, D] or packed [total, H, D] tensor (head dim: 1)."""
-        st = x.stride()
-        return (0, st[0], st[1]) if self.varlen else st[:3]
+        return head_strides(x, self.varlen)
+
+
+def head_strides(x: torch.Tensor, varlen: bool) -> tuple:
+    """(batch, seq, head) strides of a [B, S, H, D] or packed (varlen) [total, H, D] tensor (head dim: 1)."""
+    st = x.stride()
+    return (0, st[0], st[1]) if varlen else st[:3]
 
 
 def stride_align(*tensors, align: int = 16) -> int:
