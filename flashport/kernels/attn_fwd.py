@@ -56,15 +56,18 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
             s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right, boundary, MASK, HAS_LEFT,
                             HAS_RIGHT)
             m_ij = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = m_ij
         if MASK != 0:
-            # A row that has seen no visible key yet has m_ij = -inf; a finite stand-in keeps
-            # exp2(-inf - m) = 0 instead of NaN.
-            m_ij = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            # A row that has seen no visible key yet has m_ij = -inf; a finite stand-in in the subtraction
+            # keeps exp2(-inf - m) = 0 instead of NaN.  The stand-in must not become the running max: a
+            # later tile's scores below it would be scaled by 2^(s - 0) and underflow (issue [5]: a Q tile
+            # taller than the K tile under a narrow window, p << 1 for the one visible key).
+            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
         if SCALE_FOLD:
-            p = tl.exp2(qk * qk_scale - m_ij[:, None])
+            p = tl.exp2(qk * qk_scale - m_sub[:, None])
         else:
-            p = tl.exp2(s - m_ij[:, None])
-        alpha = tl.exp2(m_i - m_ij)
+            p = tl.exp2(s - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
             # l_i normalises the undropped probabilities; kept ones are rescaled in the epilogue.
