@@ -4,8 +4,9 @@ from __future__ import annotations
 import torch
 
 from . import dispatch
+from .contents import guard
 from .dropout import draw_rng_state
-from .kvcache import append_kv
+from .kvcache import append_kv, restore_kv
 from .merge import merge_states_torch, validate_states
 from .spec import dense_spec, kvcache_spec, varlen_spec
 
@@ -48,7 +49,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic,
                                return_lse=return_lse)
     impl = dispatch.select(spec, backend)
-    out, lse = impl.run(spec, _with_rng(spec, inputs))
+    out, lse = impl.run(spec, _with_rng(spec, guard(spec, inputs)))
     return _finish(out, lse, return_lse)
 
 
@@ -64,9 +65,16 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         return_lse=return_lse)
     impl = dispatch.select(spec, backend)  # a rejected call writes nothing into the cache
+    table = inputs.block_table   # as given (the append skips out-of-range entries itself), before guard clamps it
+    inputs = guard(spec, inputs, cache_seqlens)
     with torch.no_grad():
-        append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, block_table)
-        out, lse = impl.run(spec, inputs)
+        # The slots the append overwrites come back, so a call that fails after it leaves the cache as it was.
+        saved = append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, table, save=True)
+        try:
+            out, lse = impl.run(spec, inputs)
+        except BaseException:
+            restore_kv(k_cache, v_cache, saved, cache_seqlens, table)
+            raise
     return _finish(out, lse, return_lse)
 
 
@@ -74,7 +82,9 @@ def merge_attention_states(outs, lses):
     """Exact merge of partial results over disjoint key sets: outs [B, Sq, Hq, Dv], lses [B, Hq, Sq]
     float32 -> (out in outs' dtype, lse float32).  Parts with lse = -inf contribute nothing."""
     validate_states(outs, lses)
-    if outs[0].is_cuda:
+    # The Triton merge has no backward: a differentiable call takes the PyTorch merge, exact as well.
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*outs, *lses))
+    if outs[0].is_cuda and not needs_grad:
         try:
             from .kernels.merge import merge_states_triton
         except ImportError:  # no Triton in this process: the PyTorch merge is exact too
