@@ -116,3 +116,36 @@ def test_append_skips_positions_past_capacity_and_bad_pages_and_restores(paged):
     assert torch.equal(kc, expect_k) and torch.equal(vc, expect_v)
     restore_kv(kc, vc, saved, lens, table)
     assert torch.equal(kc, k0) and torch.equal(vc, v0)
+
+
+# ----------------------------------------------------------------------------- end to end
+# What a GPU call without FLASHPORT_CHECKS=1 does, in the interpreter: the host checks are switched off, so
+# the bad contents reach flashport.contents.guard and the kernels.
+@pytest.fixture
+def no_host_checks(monkeypatch):
+    import flashport.spec
+    monkeypatch.setattr(flashport.spec, "content_checks_enabled", lambda device: False)
+
+
+def test_varlen_cu_seqlens_past_the_tensor_end_to_end(no_host_checks):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(10, 2, 16, generator=g, requires_grad=True)
+    k = torch.randn(12, 1, 16, generator=g, requires_grad=True)
+    v = torch.randn(12, 1, 16, generator=g, requires_grad=True)
+    cq = torch.tensor([0, 4, 10], dtype=torch.int32)
+    ck = torch.tensor([0, 5, 4000], dtype=torch.int32)     # far past k's 12 rows
+    out = flashport.attention_varlen(q, k, v, cq, ck, 6, 4000, backend="triton")
+    out.sum().backward()
+    assert torch.isfinite(out).all() and torch.isfinite(k.grad).all()
+    _raises("cu_seqlens_k")
+
+
+def test_paged_block_table_out_of_range_end_to_end(no_host_checks):
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 1, 4, 16, generator=g)
+    kc, vc = torch.randn(4, 8, 2, 16, generator=g), torch.randn(4, 8, 2, 16, generator=g)
+    table = torch.tensor([[0, 1], [2, 1 << 30]], dtype=torch.int32)
+    lens = torch.tensor([16, 12], dtype=torch.int32)
+    out = flashport.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table, backend="triton")
+    assert torch.isfinite(out).all()
+    _raises("block_table")
