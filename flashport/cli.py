@@ -7,7 +7,8 @@ import os
 import platform
 import sys
 
-ENV_VARS = ("FLASHPORT_BACKEND", "FLASHPORT_CHECKS", "FLASHPORT_ALLOW_TF32", "TRITON_INTERPRET")
+ENV_VARS = ("FLASHPORT_BACKEND", "FLASHPORT_CHECKS", "FLASHPORT_ALLOW_TF32", "FLASHPORT_ALLOW_UNTESTED_TRITON",
+            "TRITON_INTERPRET")
 
 
 def info_dict() -> dict:
@@ -64,15 +65,72 @@ def cmd_info(args) -> int:
     return 0
 
 
+# ----------------------------------------------------------------------------- argument checks
+# Checked before any work, so a typo ends in one line and exit status 2 (argparse's convention), not in a
+# traceback from deep inside a run -- or, for --out, after a whole benchmark has been measured.
+DTYPES = ("float16", "bfloat16", "float32", "float64")
+
+
+def parse_dtypes(p: argparse.ArgumentParser, text: str | None):
+    """--dtype a,b -> [torch.dtype] (None when not given)."""
+    if text is None:
+        return None
+    import torch
+    names = [t.strip() for t in text.split(",")]
+    bad = [n for n in names if n not in DTYPES]
+    if bad or not names:
+        p.error(f"--dtype: unknown dtype(s) {', '.join(map(repr, bad))}; valid: {', '.join(DTYPES)}")
+    return [getattr(torch, n) for n in names]
+
+
+def check_backends(p: argparse.ArgumentParser, names) -> None:
+    from . import dispatch
+    known = list(dispatch._REGISTRY)
+    bad = [n for n in names or () if n not in known]
+    if bad:
+        p.error(f"--backend: unknown backend(s) {', '.join(map(repr, bad))}; valid: {', '.join(known)}")
+
+
+def check_device(p: argparse.ArgumentParser, text: str | None) -> None:
+    """--device: cpu, cuda or cuda:N for a CUDA device this process has."""
+    if text is None:
+        return
+    import torch
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    valid = "cpu" + (f", cuda, cuda:0..{n - 1}" if n else " (no CUDA device here)")
+    try:
+        dev = torch.device(text)
+    except (RuntimeError, ValueError, TypeError):
+        p.error(f"--device: {text!r} is not a device; valid: {valid}")
+    if dev.type == "cpu" and dev.index in (None, 0):
+        return
+    if dev.type != "cuda" or not n or (dev.index is not None and not 0 <= dev.index < n):
+        p.error(f"--device: {text!r} is not available; valid: {valid}")
+
+
+def check_out_dir(p: argparse.ArgumentParser, out: str) -> None:
+    """--out must be a directory we can create and write into: probed with a temporary file."""
+    import tempfile
+    try:
+        os.makedirs(out, exist_ok=True)
+        fd, probe = tempfile.mkstemp(dir=out, prefix=".flashport-probe-")
+        os.close(fd)
+        os.remove(probe)
+    except OSError as e:
+        p.error(f"--out: cannot write into {out!r}: {e.strerror or e}")
+
+
+# ----------------------------------------------------------------------------- commands
 def cmd_check(args) -> int:
     import time
 
-    import torch
-
     from .check import format_table, run_check
-    dtypes = [getattr(torch, t) for t in args.dtype.split(",")] if args.dtype else None
+    if args.fuzz is not None:
+        from flashport.fuzz import main as fuzz_main
+        return fuzz_main(n=args.fuzz, seed=args.seed, device=args.device, dtypes=args.dtypes,
+                         backend=args.backend[0] if args.backend else None, log=args.log)
     t0 = time.perf_counter()
-    results = run_check(args.backend or None, args.device, dtypes)
+    results = run_check(args.backend or None, args.device, args.dtypes)
     print(format_table(results))
     counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped "
@@ -85,6 +143,13 @@ def cmd_bench(args) -> int:
     return bench.run(args)
 
 
+def _non_negative(text: str) -> int:
+    n = int(text)
+    if n < 0:
+        raise argparse.ArgumentTypeError(f"must be >= 0, got {n}")
+    return n
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="flashport", description="exact FlashAttention-style attention, portable backends")
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -94,10 +159,22 @@ def main(argv=None) -> int:
     pc.add_argument("--backend", action="append", help="check only this backend (repeatable)")
     pc.add_argument("--device", default=None, help="cuda or cpu (default: cuda if available)")
     pc.add_argument("--dtype", default=None, help="comma-separated, e.g. float16,bfloat16 (default per device)")
+    pc.add_argument("--fuzz", type=_non_negative, default=None, metavar="N",
+                    help="run N random cases against `reference` (flashport.fuzz) instead of the fixed grid")
+    pc.add_argument("--seed", type=int, default=0, help="--fuzz: seed of the random cases (default 0)")
+    pc.add_argument("--log", default=None, metavar="PATH", help="--fuzz: write one JSON line per case to PATH")
     pb = sub.add_parser("bench", help="benchmark on the hardware present (JSON + PNG into --out)")
     from .bench import add_arguments
     add_arguments(pb)
     args = p.parse_args(argv)
+    parser = {"check": pc, "bench": pb}.get(args.cmd)
+    if args.cmd == "check":
+        args.dtypes = parse_dtypes(pc, args.dtype)
+        check_backends(pc, args.backend)
+    if parser is not None:
+        check_device(parser, args.device)
+    if args.cmd == "bench":
+        check_out_dir(pb, args.out)
     return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.cmd](args)
 
 

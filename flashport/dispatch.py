@@ -97,8 +97,19 @@ def _reasons(b: Backend, spec: AttnSpec) -> list[str]:
     return b.availability() or b.supports(spec)
 
 
+def _requested(backend) -> str | None:
+    """The named backend, if any: `backend=` > use_backend() > FLASHPORT_BACKEND.  Only None (or an unset
+    variable) means "not given": an empty string is an unknown name, never "auto" (the contract's rule)."""
+    if backend is not None:
+        return backend
+    forced = _forced.get()
+    if forced is not None:
+        return forced
+    return os.environ.get("FLASHPORT_BACKEND")
+
+
 def select(spec: AttnSpec, backend: str | None = None) -> Backend:
-    name = backend or _forced.get() or os.environ.get("FLASHPORT_BACKEND") or None
+    name = _requested(backend)
     if name is not None:
         if not isinstance(name, str):
             raise TypeError(f"backend must be a str or None, got {type(name).__name__}")

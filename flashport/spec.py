@@ -18,6 +18,8 @@ from typing import Optional
 
 import torch
 
+from .overlap import overlaps
+
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
@@ -26,9 +28,10 @@ class AttnSpec:
     """Static description of one attention call (hashable; no tensors).
 
     kind: "dense" (q [B,Sq,Hq,D]), "varlen" (q [total_q,Hq,D] + cu_seqlens) or "kvcache".
-    seqlen_q / seqlen_k: Sq / Sk for dense; max_seqlen_q / max_seqlen_k for varlen; for kvcache,
-    Sq and the cache capacity (positions one sequence can hold).
-    window_left / window_right: -1 means unbounded; causal is folded into window_right = 0.
+    seqlen_q / seqlen_k: Sq / Sk for dense; max_seqlen_q / max_seqlen_k for varlen (clamped to the packed
+    tensors' first dimensions); for kvcache, Sq and the cache capacity (positions one sequence can hold).
+    window_left / window_right: -1 means unbounded (also for a bound that reaches every key anyway);
+    causal is folded into window_right = 0.
     """
 
     kind: str
@@ -150,17 +153,42 @@ def _check_qkv(q, k, v, names=("q", "k", "v")) -> None:
         raise ValueError(f"{qn} heads ({hq}) must be a multiple of {kn}/{vn} heads ({hkv}) for GQA/MQA")
 
 
+# Scale and softcap bounds.  The kernels fold them into float32 constants (scale * log2(e), scale / softcap,
+# softcap * log2(e)) and multiply raw scores by them: with both in [2**-60, 2**60] every constant is a
+# finite normal float32 (|scale / softcap| in [2**-120, 2**120], float32's normal range is [2**-126, 2**128))
+# and a raw score |q.k| < 2**60 scaled by them stays below 2**121, finite.  Outside it a constant
+# underflows to 0 or overflows to inf in float32 and the softmax returns NaN.
+SCALE_MIN, SCALE_MAX = 2.0 ** -60, 2.0 ** 60
+_RANGE = "[2**-60, 2**60]"
+
+
+def _in_range(x: float) -> bool:
+    return SCALE_MIN <= abs(x) <= SCALE_MAX
+
+
 def _scale(softmax_scale, head_dim: int) -> float:
     if softmax_scale is None:
         return 1.0 / math.sqrt(head_dim)
     if not _is_real(softmax_scale):
         raise TypeError(f"softmax_scale must be a real number or None, got {type(softmax_scale).__name__}")
-    if not math.isfinite(float(softmax_scale)):
+    scale = float(softmax_scale)
+    if not math.isfinite(scale):
         raise ValueError(f"softmax_scale must be finite, got {softmax_scale}")
-    return float(softmax_scale)
+    if scale != 0.0 and not _in_range(scale):
+        raise ValueError(f"softmax_scale must be 0 or have |softmax_scale| in {_RANGE} (the kernels' float32 "
+                         f"constants stay finite there), got {softmax_scale}")
+    return scale
 
 
-def _window(window_size, causal: bool) -> tuple[int, int]:
+def _unbounded_if_far(w: int, span: int) -> int:
+    """-1 for a window bound that reaches every key anyway.  No query/key pair of a call is more than
+    `span` positions apart, so a bound >= span hides nothing; folding it to -1 keeps huge values (up to
+    2**63 - 1) out of index arithmetic, where `diag - left` would wrap around in int64."""
+    return -1 if w >= max(span, 1) else w
+
+
+def _window(window_size, causal: bool, span: int) -> tuple[int, int]:
+    """(left, right) with causal folded into right = 0; span = Sq + Sk bounds every distance (see above)."""
     if not isinstance(window_size, (tuple, list)) or len(window_size) != 2:
         raise ValueError(f"window_size must be a pair (left, right), got {window_size!r}")
     left, right = window_size
@@ -169,19 +197,23 @@ def _window(window_size, causal: bool) -> tuple[int, int]:
             raise TypeError(f"window_size entries must be ints, got {window_size!r}")
         if w < -1:
             raise ValueError(f"window_size entries must be >= -1 (-1 = unbounded), got {window_size!r}")
-    if causal:
+    if causal:  # on the raw value: causal with a huge right bound still contradicts
         if right not in (-1, 0):
             raise ValueError(f"causal=True contradicts window_size[1]={right}: causal means right = 0")
         right = 0
-    return int(left), int(right)
+    return _unbounded_if_far(int(left), span), _unbounded_if_far(int(right), span)
 
 
 def _softcap(softcap) -> float:
     if not _is_real(softcap):
         raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
-    if not math.isfinite(float(softcap)) or softcap < 0:
+    cap = float(softcap)
+    if not math.isfinite(cap) or cap < 0:
         raise ValueError(f"softcap must be finite and >= 0, got {softcap}")
-    return float(softcap)
+    if cap != 0.0 and not _in_range(cap):
+        raise ValueError(f"softcap must be 0 (off) or in {_RANGE} (the kernels' float32 constants stay finite "
+                         f"there), got {softcap}")
+    return cap
 
 
 def _dropout(dropout_p) -> float:
@@ -217,11 +249,12 @@ def _int_arg(x, name: str) -> int:
 
 
 def _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, deterministic,
-            return_lse, batch, heads_q):
+            return_lse, batch, heads_q, span):
+    """The keyword options every entry point shares; span = longest query/key distance (see _window)."""
     causal = _bool(causal, "causal")
     _bool(deterministic, "deterministic")
     _bool(return_lse, "return_lse")
-    left, right = _window(window_size, causal)
+    left, right = _window(window_size, causal, span)
     return dict(
         causal=causal, window_left=left, window_right=right,
         softmax_scale=_scale(softmax_scale, q.shape[-1]), softcap=_softcap(softcap),
@@ -245,7 +278,7 @@ def dense_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_sl
         raise ValueError(f"k and v must have the same sequence length, got {k.shape[1]} and {v.shape[1]}")
     b, sq, hq, d = q.shape
     opts = _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                   deterministic, return_lse, b, hq)
+                   deterministic, return_lse, b, hq, sq + k.shape[1])
     spec = AttnSpec(kind="dense", batch=b, seqlen_q=sq, seqlen_k=k.shape[1], heads_q=hq,
                     heads_kv=k.shape[2], head_dim=d, head_dim_v=v.shape[-1], dtype=q.dtype,
                     device=q.device, needs_grad=_needs_grad(q, k, v), **opts)
@@ -294,9 +327,12 @@ def varlen_spec(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     _cu_seqlens(cu_seqlens_q, "cu_seqlens_q", None, q.shape[0], max_seqlen_q, "max_seqlen_q", q.device)
     _cu_seqlens(cu_seqlens_k, "cu_seqlens_k", batch, k.shape[0], max_seqlen_k, "max_seqlen_k", q.device)
     hq = q.shape[1]
+    # No sequence is longer than its packed tensor, so clamping is exact; it keeps a huge max_seqlen
+    # (2**40) out of launch grids and tile loops.
+    seqlen_q, seqlen_k = min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
     opts = _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-                   deterministic, return_lse, batch, hq)
-    spec = AttnSpec(kind="varlen", batch=batch, seqlen_q=max_seqlen_q, seqlen_k=max_seqlen_k,
+                   deterministic, return_lse, batch, hq, seqlen_q + seqlen_k)
+    spec = AttnSpec(kind="varlen", batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                     heads_q=hq, heads_kv=k.shape[1], head_dim=q.shape[-1], head_dim_v=v.shape[-1],
                     dtype=q.dtype, device=q.device, needs_grad=_needs_grad(q, k, v), **opts)
     inputs = AttnInputs(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
@@ -359,6 +395,7 @@ def kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causa
             raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} must be [B={b}, S_new, Hkv, D|Dv] "
                              f"matching the cache")
         s_new = k.shape[1]
+        _check_append_aliasing(k_cache, v_cache, k, v)
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when appending k/v (where would they go?)")
         if s_new > capacity:
@@ -387,7 +424,7 @@ def kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causa
         seqlens = torch.full((b,), capacity, dtype=torch.int32, device=q.device)
 
     opts = _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, 0.0, False,
-                   return_lse, b, hq)
+                   return_lse, b, hq, sq + capacity)
     spec = AttnSpec(kind="kvcache", batch=b, seqlen_q=sq, seqlen_k=capacity, heads_q=hq,
                     heads_kv=k_cache.shape[2], head_dim=d, head_dim_v=v_cache.shape[-1],
                     dtype=q.dtype, device=q.device, needs_grad=False, paged=paged,
@@ -397,6 +434,20 @@ def kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causa
     inputs = AttnInputs(_last_dim_contiguous(q), k_cache, v_cache, alibi_slopes=alibi_slopes,
                         seqlens_k=seqlens, block_table=block_table)
     return spec, inputs, (k, v, cache_seqlens)
+
+
+def _check_append_aliasing(k_cache, v_cache, k, v) -> None:
+    """The append writes k into k_cache and v into v_cache in place: through shared memory one write would
+    overwrite the other cache, or the new tokens while they are read.  Only a write can corrupt, so a call
+    without an append may pass one tensor as both caches.  The test is exact for strided tensors (see
+    flashport.overlap): the interleaved layout kv[:, :, 0] / kv[:, :, 1] shares a storage, not an element."""
+    if overlaps(k_cache, v_cache):
+        raise ValueError("k_cache and v_cache overlap in memory; appending k/v would write one into the other")
+    for new, new_name in ((k, "k"), (v, "v")):
+        for cache, cache_name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+            if overlaps(new, cache):
+                raise ValueError(f"{new_name} (new tokens) overlaps {cache_name} in memory; the append would "
+                                 f"overwrite it while it is read")
 
 
 def _needs_grad(*ts) -> bool:

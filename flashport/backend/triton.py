@@ -15,6 +15,7 @@ from typing import Optional
 import torch
 
 from .. import dispatch
+from ..kernels.versions import is_tested, tested_text
 from ..spec import AttnInputs, AttnSpec
 
 MAX_HEAD_DIM = 256
@@ -25,13 +26,25 @@ MAX_GRID_YZ = 65535  # CUDA grid limit for the head and batch dimensions
 def _triton_version() -> Optional[str]:
     try:
         import triton
+        return str(getattr(triton, "__version__", "unknown"))
     except Exception:  # noqa: BLE001 - a broken install is as good as none
         return None
-    return triton.__version__
 
 
 def _interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _allow_untested() -> bool:
+    return os.environ.get("FLASHPORT_ALLOW_UNTESTED_TRITON", "0") == "1"
+
+
+# Triton's interpreter runs bf16 dots wrongly (silently garbage, not an error): refused, never run.
+BF16_INTERPRETER_REASON = "bfloat16 under TRITON_INTERPRET=1: Triton's interpreter computes bf16 dots wrongly"
+
+
+def _interpreter_dtype_reasons(spec: AttnSpec, interpreting: bool) -> list[str]:
+    return [BF16_INTERPRETER_REASON] if interpreting and spec.dtype == torch.bfloat16 else []
 
 
 @functools.lru_cache(maxsize=None)
@@ -125,11 +138,11 @@ class TritonBackend(dispatch.Backend):
                                        "reproducible Triton kernels)"}
 
     def availability(self) -> list[str]:
-        return list(_availability(_interpreting()))
+        return list(_availability(_triton_version(), _interpreting(), _allow_untested()))
 
     def supports(self, spec: AttnSpec) -> list[str]:
         if spec.kind == "kvcache":  # the KV-cache kernel states its own limits (memoised per spec there)
-            reasons = _device_reasons(spec.device)
+            reasons = _device_reasons(spec.device) + _interpreter_dtype_reasons(spec, _interpreting())
             try:
                 from ..kernels.decode import kvcache_supports
             except ImportError:
@@ -155,9 +168,14 @@ class TritonBackend(dispatch.Backend):
 # TRITON_INTERPRET (part of the key), and they are asked on every call: memoised, since a training or
 # serving loop repeats the same few shapes (each call costs microseconds of host time otherwise).
 @functools.lru_cache(maxsize=None)
-def _availability(interpreting: bool) -> tuple[str, ...]:
-    if _triton_version() is None:
+def _availability(version: Optional[str], interpreting: bool, allow_untested: bool) -> tuple[str, ...]:
+    if version is None:
         return ("triton is not installed",)
+    if not allow_untested and not is_tested(version):
+        # The kernels and launchers use young / private Triton API: an older or newer release may fail to
+        # compile them, or compile them differently.  Refused with the way out, not tried.
+        return (f"triton {version} is untested (flashport's kernels are tested on {tested_text()}); "
+                f"FLASHPORT_ALLOW_UNTESTED_TRITON=1 to try it",)
     if interpreting:
         return ()
     if not torch.cuda.is_available():
@@ -169,7 +187,7 @@ def _availability(interpreting: bool) -> tuple[str, ...]:
 
 @functools.lru_cache(maxsize=1024)
 def _supports(spec: AttnSpec, interpreting: bool) -> tuple[str, ...]:
-    reasons = _device_reasons(spec.device)
+    reasons = _device_reasons(spec.device) + _interpreter_dtype_reasons(spec, interpreting)
     if spec.dtype not in (torch.float16, torch.bfloat16, torch.float32):
         reasons.append(f"dtype {spec.dtype} is not supported (float16, bfloat16, float32)")
     if max(spec.head_dim, spec.head_dim_v) > MAX_HEAD_DIM:

@@ -2,12 +2,14 @@
 the card, versions, timestamp, ceilings) and a matplotlib PNG."""
 from __future__ import annotations
 
+import contextlib
 import datetime as _dt
 import json
 import os
 import platform
 import shlex
 import sys
+import tempfile
 
 import torch
 
@@ -58,12 +60,23 @@ def document(suite: str, device, entries: list[dict], ceilings: dict | None = No
 
 
 def write_json(doc: dict, path: str) -> None:
-    """Write atomically (temporary file, then rename): a run killed mid-write leaves the last good JSON."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    tmp = path + ".tmp"
-    with open(tmp, "w") as f:
-        json.dump(doc, f, indent=1, default=str)
-    os.replace(tmp, path)
+    """Write atomically (temporary file, then rename): a run killed mid-write leaves the last good JSON.
+
+    The temporary file gets a unique name in the target's directory (same file system, so os.replace is
+    atomic): two writers of one path -- a checkpoint and the final write, two runs sharing --out -- never
+    write into each other's temporary file; the last rename wins with a whole document."""
+    directory = os.path.dirname(path) or "."
+    os.makedirs(directory, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=os.path.basename(path) + ".", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f, indent=1, default=str)
+        os.chmod(tmp, 0o644)   # mkstemp's 0600 would make the results private to this user
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.remove(tmp)
+        raise
 
 
 # ----------------------------------------------------------------------------- tables

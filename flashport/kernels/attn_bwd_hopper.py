@@ -54,8 +54,9 @@ import triton
 
 from .attn_fwd_hopper import _capability, _descriptor, feature_reasons  # shared with the forward
 from .launch import DirectLauncher
+from .versions import is_tested, tested_text
 
-try:  # Gluon ships with recent Triton; without it (or another version: TESTED_TRITON) this path declines
+try:  # Gluon ships with recent Triton; without it (or another version: versions.TESTED_TRITON) it declines
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language._core import builtin
@@ -66,7 +67,6 @@ except ImportError:  # pragma: no cover - depends on the installed Triton
     gluon = None
 
 LOG2E = 1.4426950408889634
-TESTED_TRITON = "3.6"   # the Gluon API this kernel is written against (Gluon is experimental upstream)
 MAX_GRID_Y = 65535      # CUDA's limit on the grid's second dimension (here batch * heads)
 BLOCK_M = 64           # query rows per Q tile (the ring's unit)
 BLOCK_N = 128          # K/V rows per program: 64 per consumer warpgroup
@@ -96,7 +96,8 @@ DEFAULT = {128: "s2_tma2_lse", 64: "s2_tma_lse"}   # per head dim (the served on
 
 
 def enabled() -> bool:
-    return (gluon is not None and triton.__version__.startswith(TESTED_TRITON)
+    # Gluon is experimental upstream: only the Triton releases this kernel is tested on (versions.py)
+    return (gluon is not None and is_tested(triton.__version__)
             and os.environ.get("FLASHPORT_HOPPER_BWD", "1") != "0")
 
 
@@ -119,7 +120,7 @@ def reasons(spec, q, k, v, do, out=None) -> list[str]:
     if padded(max(spec.seqlen_q, spec.seqlen_k)) * spec.head_dim >= 2 ** 31:
         return ["sequence length * head dim must fit in int32 (per-head offsets are 32-bit)"]
     if not enabled():
-        return [f"Gluon (Triton {TESTED_TRITON}.x) unavailable or FLASHPORT_HOPPER_BWD=0"]
+        return [f"Gluon (Triton {tested_text()}) unavailable or FLASHPORT_HOPPER_BWD=0"]
     if (spec.dtype, spec.head_dim, spec.causal, spec.device) in broken:
         return ["failed to compile here: " + broken[(spec.dtype, spec.head_dim, spec.causal, spec.device)]]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):

@@ -45,8 +45,9 @@ import torch
 import triton
 
 from .launch import Desc, DirectLauncher
+from .versions import is_tested, tested_text
 
-try:  # Gluon ships with recent Triton; without it (or another version: TESTED_TRITON) this path declines
+try:  # Gluon ships with recent Triton; without it (or another version: versions.TESTED_TRITON) it declines
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (fence_async_shared, mbarrier, tma,
@@ -84,12 +85,12 @@ assert all(TILE % t.block_n == 0 and t.block_n % BLOCK_M == 0 for t in TILES.val
 # Sq is held to the same floor: short-Sq / long-Sk shapes (few programs) were not measured.
 MIN_KEYS = {64: 16384, 128: 512, 256: 512}
 MIN_KEYS_CAUSAL = {64: 16384, 128: 512, 256: 512}
-TESTED_TRITON = "3.6"   # the Gluon API this kernel is written against (Gluon is experimental upstream)
 MAX_GRID_Y = 65535      # CUDA's limit on the grid's second dimension (here batch * heads)
 
 
 def enabled() -> bool:
-    return (gluon is not None and triton.__version__.startswith(TESTED_TRITON)
+    # Gluon is experimental upstream: only the Triton releases this kernel is tested on (versions.py)
+    return (gluon is not None and is_tested(triton.__version__)
             and os.environ.get("FLASHPORT_HOPPER_FWD", "1") != "0")
 
 
@@ -140,7 +141,7 @@ def reasons(spec, q, k, v, length_floor: bool = True) -> list[str]:
     if spec.batch == 0 or spec.batch * spec.heads_q > MAX_GRID_Y:
         return [f"batch * heads must be in [1, {MAX_GRID_Y}]"]
     if not enabled():
-        return [f"Gluon (Triton {TESTED_TRITON}.x) unavailable or FLASHPORT_HOPPER_FWD=0"]
+        return [f"Gluon (Triton {tested_text()}) unavailable or FLASHPORT_HOPPER_FWD=0"]
     if (spec.dtype, d, spec.causal, spec.device) in broken:
         return ["failed to compile here: " + broken[(spec.dtype, d, spec.causal, spec.device)]]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):

@@ -18,11 +18,30 @@ from __future__ import annotations
 
 import torch
 
+# Both imports are private or young Triton API (tested on 3.6).  Each may be missing on its own; a missing one
+# leaves a defined None, never a name that fails at the first launch.  Without knobs (or its launch hooks)
+# every launch takes the plain JIT path; TensorDescriptor only matters to the Gluon (Hopper) kernels, which
+# gate themselves on the Triton version.
 try:
     from triton import knobs
+except ImportError:  # pragma: no cover - depends on the installed Triton
+    knobs = None
+try:
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 except ImportError:  # pragma: no cover - depends on the installed Triton
     TensorDescriptor = None
+
+
+def _has_private_api() -> bool:
+    """Does this Triton have the launch hook chains with `.calls` (Triton 3.6's knobs) that the direct path
+    reads?  The compiled kernel's fields are checked per kernel (DirectLauncher._entry)."""
+    runtime = getattr(knobs, "runtime", None)
+    hooks = (getattr(runtime, "launch_enter_hook", None), getattr(runtime, "launch_exit_hook", None))
+    return all(hasattr(h, "calls") for h in hooks)
+
+
+DIRECT = _has_private_api()   # False: DirectLauncher is kernel[grid](...) and nothing else
+_JIT_ONLY = ("jit only",)     # a cache entry for a compiled kernel that lacks the fields the direct path needs
 
 
 class Desc:
@@ -84,21 +103,31 @@ class DirectLauncher:
         self.jit_fn = jit_fn
         self._compiled: dict = {}
 
+    def _entry(self, kernel, args, meta):
+        """What a direct launch needs of a compiled kernel, or _JIT_ONLY when it lacks those private fields."""
+        if not all(hasattr(kernel, f) for f in ("run", "function", "packed_metadata")):
+            return _JIT_ONLY
+        names = self.jit_fn.arg_names
+        constexprs = tuple(meta[n] for n in names[len(args):])   # every one after the plain args
+        return kernel.run, kernel.function, kernel.packed_metadata, constexprs
+
     def compile(self, grid, args, meta):
         """The compiled kernel for these arguments (JIT: compiles on a miss, raises what the compiler raises)."""
         kernel = self.jit_fn.warmup(*_jit_args(args), grid=grid, **meta)
         return kernel.result() if hasattr(kernel, "result") else kernel
 
     def __call__(self, grid, args, meta):
+        if not DIRECT:
+            self.jit_fn[grid](*_jit_args(args), **meta)
+            return
         device = torch._C._cuda_getDevice()   # torch.cuda.current_device() without its lazy-init check
         key = (device, tuple(meta.items()), tuple(_spec_class(a) for a in args))
         entry = self._compiled.get(key)
-        if entry is None or knobs.runtime.launch_enter_hook.calls or knobs.runtime.launch_exit_hook.calls:
+        if entry is None or entry is _JIT_ONLY or knobs.runtime.launch_enter_hook.calls \
+                or knobs.runtime.launch_exit_hook.calls:
             kernel = self.jit_fn[grid](*_jit_args(args), **meta)
             if entry is None:
-                names = self.jit_fn.arg_names
-                constexprs = tuple(meta[n] for n in names[len(args):])   # every one after the plain args
-                self._compiled[key] = (kernel.run, kernel.function, kernel.packed_metadata, constexprs)
+                self._compiled[key] = self._entry(kernel, args, meta)
             return
         run, function, packed, constexprs = entry
         g0, g1, g2 = (*grid, 1, 1)[:3]

@@ -20,7 +20,9 @@ from __future__ import annotations
 import functools
 import json
 import os
+import warnings
 from dataclasses import asdict, dataclass, replace
+from dataclasses import fields as dataclass_fields
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -46,12 +48,60 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def _config_problem(cfg) -> Optional[str]:
+    """Why a table entry is not a valid KernelConfig (None: it is).  The table is data written by
+    `autotune` or by hand: a wrong type or a tile size tl.dot cannot take must not reach a launch."""
+    if not isinstance(cfg, dict):
+        return f"not an object but {type(cfg).__name__}"
+    fields = {f.name for f in dataclass_fields(KernelConfig)}
+    unknown = sorted(set(cfg) - fields)
+    if unknown:
+        return f"unknown field(s) {unknown}"
+    for name in ("block_m", "block_n", "num_warps", "num_stages"):
+        x = cfg.get(name)
+        if type(x) is not int or x <= 0:   # bool is no int here; JSON floats (64.0) are refused too
+            return f"{name} must be a positive int, got {x!r}"
+    for name in ("block_m", "block_n"):
+        if cfg[name] < 16 or cfg[name] & (cfg[name] - 1):
+            return f"{name} must be a power of two >= 16 (tl.dot's minimum), got {cfg[name]}"
+    if cfg["num_warps"] & (cfg["num_warps"] - 1):
+        return f"num_warps must be a power of two, got {cfg['num_warps']}"
+    if type(cfg.get("split", False)) is not bool:
+        return f"split must be a bool, got {cfg['split']!r}"
+    return None
+
+
 def _load_table(path: Path = CONFIG_PATH) -> dict:
+    """{key: KernelConfig} from the JSON table at `path`, entry by entry.
+
+    Never raises: every triton call goes through this table, so a malformed file (a list, wrong types,
+    missing fields) costs its bad entries -- skipped with one warning naming the file and the keys -- and
+    not the backend.  A missing file is an empty table.  Only json.loads reads it: data, never code."""
     try:
-        entries = json.loads(path.read_text()).get("entries", {})
-    except (OSError, ValueError):
+        doc = json.loads(Path(path).read_text())
+    except FileNotFoundError:
         return {}
-    return {key: KernelConfig(**cfg) for key, cfg in entries.items()}
+    except (OSError, ValueError, RecursionError) as e:   # unreadable, not UTF-8, not JSON, nested too deep
+        warnings.warn(f"flashport: ignoring tuning table {path}: {type(e).__name__}: {e}", RuntimeWarning)
+        return {}
+    entries = doc.get("entries", {}) if isinstance(doc, dict) else None
+    if not isinstance(entries, dict):
+        what = type(doc if entries is None else entries).__name__
+        warnings.warn(f"flashport: ignoring tuning table {path}: expected an object with an \"entries\" object, "
+                      f"got {what}", RuntimeWarning)
+        return {}
+    table, bad = {}, []
+    for key, cfg in entries.items():
+        problem = _config_problem(cfg)
+        if problem is None:
+            table[key] = KernelConfig(**cfg)
+        else:
+            bad.append(f"{key!r}: {problem}")
+    if bad:
+        shown = "; ".join(bad[:20]) + (f"; and {len(bad) - 20} more" if len(bad) > 20 else "")
+        warnings.warn(f"flashport: tuning table {path}: skipped {len(bad)} invalid entries -- {shown}",
+                      RuntimeWarning)
+    return table
 
 
 TABLE: dict = _load_table()
