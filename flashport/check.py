@@ -11,6 +11,7 @@ pages) is poisoned with NaN in the backend's inputs: reading it shows up as a FA
 """
 from __future__ import annotations
 
+import math
 import time
 from dataclasses import dataclass
 from typing import Callable, Optional
@@ -42,10 +43,13 @@ def magnitude(*ts: torch.Tensor) -> float:
 
 
 def rule_error(got: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor, dtype, factor: float,
-               mag: Optional[float] = None):
-    """-> (max |got - ref64|, bound = factor * max |lowp - ref64| + noise); inf error if non-finite.
-    `mag` raises the noise's magnitude above the reference's own (see `magnitude`)."""
-    got64, ref64 = got.detach().double().cpu(), ref64.detach().double().cpu()
+               mag: Optional[float] = None, extra: float = 0.0):
+    """-> (max |got - ref64|, bound = factor * (max |lowp - ref64| + extra) + noise); inf error if non-finite.
+    `mag` raises the noise's magnitude above the reference's own (see `magnitude`); `extra` is rounding the
+    flash algorithm has and the math path lacks (see `flash_extras`; 0 unless given)."""
+    # on the reference's device (float64 differences and maxima are exact, so the same numbers as on a CPU)
+    ref64 = ref64.detach().double()
+    got64 = got.detach().to(ref64.device, torch.float64)
     if got64.shape != ref64.shape:
         raise AssertionError(f"shape {tuple(got64.shape)} != {tuple(ref64.shape)}")
     own = ref64.abs().max().item() if ref64.numel() else 0.0
@@ -53,8 +57,54 @@ def rule_error(got: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor, dtype
     if not ref64.numel():
         return 0.0, nz
     err = (got64 - ref64).abs().max().item() if torch.isfinite(got64).all() else float("inf")
-    base = (lowp.detach().double().cpu() - ref64).abs().max().item()
-    return err, factor * base + nz
+    base = (lowp.detach().to(ref64.device, torch.float64) - ref64).abs().max().item()
+    return err, factor * (base + extra) + nz
+
+
+COMPUTE_EPS = torch.finfo(torch.float32).eps   # kernels compute scores, exponentials and sums in float32
+
+
+def exponent_noise(scale: float, head_dim: int, lse: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> float:
+    """Relative error of a probability exp(s - lse) that a flash kernel rescales (forward) or recomputes
+    (backward) in float32: the exponent carries the float32 rounding of the score (a length-D dot product,
+    |scale| * sqrt(D) * max|q| * max|k| in size) and of lse.  The materialising math path rounds the same
+    exponent but never recomputes it, so where its probabilities are exact by structure (one visible key:
+    p = e / e = 1) its error is 0 and the rule's bound would be noise alone."""
+    fin = lse.detach()[torch.isfinite(lse.detach())]
+    lse_max = fin.abs().max().item() if fin.numel() else 0.0
+    return COMPUTE_EPS * (1.0 + lse_max + abs(scale) * math.sqrt(head_dim) * magnitude(q) * magnitude(k))
+
+
+def flash_extras(ref_out, ref_lse, leaves64, do, dtype, scale: float, dropout_p: float = 0.0,
+                 ref_grads=None) -> dict:
+    """The `extra` of `rule_error` per quantity: rounding every FlashAttention implementation has and the
+    materialising math path does not (both are exact zero-error structures there when a row sees one key).
+
+    out, lse:  exponent_noise (delta) x max|v| / (1 - dropout_p), and delta itself for lse.
+    dq, dk:    the backward's Delta = rowsum(dO * O) reads O rounded to `dtype` and sums in float32; an error
+               e_i in Delta acts exactly as an lse gradient of -e_i (dS = P * (dP - Delta + dlse)), so its
+               effect is autograd.grad(ref_lse, (q, k), E) with E_i = eps(dtype) / 2 * ||dO_i * O_i||_2 (O's
+               rounding: at most eps / 2 per element, random in sign) + eps(float32) * ||dO_i * O_i||_1 (the
+               float32 sum), plus delta x max|g_ref|.
+    dv:        delta x max (P^T |dO|): each P = exp(s - lse) recomputed with relative error delta.
+    ref_out / ref_lse: the float64 reference's outputs, still attached to leaves64 = (q, k, v) (float64,
+    requires_grad; the graph is used, not freed, so call this before a last backward without retain_graph);
+    ref_grads: the float64 dq, dk, dv, when gradients are checked."""
+    q, k, v = leaves64
+    delta = exponent_noise(scale, q.shape[-1], ref_lse, q, k)
+    extras = {"out": delta * magnitude(v) / (1.0 - dropout_p), "lse": delta}
+    if ref_grads is None:
+        return extras
+    prod = do.detach().double() * ref_out.detach().double()             # [..., S, Hq, Dv] like out
+    err = (0.5 * torch.finfo(dtype).eps * prod.pow(2).sum(-1).sqrt() + COMPUTE_EPS * prod.abs().sum(-1)).movedim(-1, -2)
+    err = torch.where(torch.isfinite(ref_lse.detach()), err.to(ref_lse.dtype), torch.zeros_like(ref_lse))
+    gq, gk = torch.autograd.grad(ref_lse, (q, k), err, retain_graph=True, allow_unused=True)
+    (pv,) = torch.autograd.grad(ref_out, (v,), do.detach().to(ref_out.dtype).abs(), retain_graph=True,
+                                allow_unused=True)
+    for name, g, g_ref in (("dq", gq, ref_grads[0]), ("dk", gk, ref_grads[1])):
+        extras[name] = magnitude(*([g] if g is not None else [])) + delta * magnitude(g_ref)
+    extras["dv"] = delta * magnitude(*([pv] if pv is not None else []))
+    return extras
 
 
 def assert_within_rule(name: str, got: torch.Tensor, ref64: torch.Tensor, lowp: torch.Tensor, dtype, factor: float,

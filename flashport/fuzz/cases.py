@@ -1,0 +1,608 @@
+"""The fuzzer's cases: a JSON-able description of one call of the contract, drawn from its own RNG.
+
+`draw_case(seed, index, size, dtypes, entries)` is a pure function of its arguments: a `random.Random`
+seeded by the string "flashport-fuzz/<seed>/<index>" (hashed by SHA-512: the same on every machine and
+in every process); the tensors are drawn later from `FuzzCase.data_seed` (flashport/fuzz/execute.py).
+
+Recipes.  A GPU run is dominated by Triton's JIT: every new specialisation of a kernel compiles, and a
+specialisation is keyed by the constexprs (dtype, head dims, mask flags, softcap / ALiBi / dropout,
+varlen, tile config, alignment) *and* by every integer argument's class (== 1, a multiple of 16, other):
+the strides of lse / Delta (Sq, total_q), the GQA group, the ALiBi batch stride, the dropout threshold,
+the KV cache's block-table stride, ...  Drawn freely, 5000 cases made ~7500 specialisations.  So each
+seed has a pool of recipes (`recipe_pool`): a recipe pins everything that reaches a compile key, and a
+case draws a recipe, then the rest freely within it (batch, Sk, the query length within its class
+"one" / "m16" (multiples of 16, 128-multiples included) / "n16" (odd), window sizes within the mask
+family, logit magnitude, scale value, grads / lse / determinism, varlen and cache lengths, pages in use,
+...).  Recipe attributes are spread over the pool stratified (every head dim, dtype, mask family,
+feature and layout of the size's lists appears), and another seed draws another pool.  B * Hq * Sq * Sk
+stays under the size's `work` bound so the float64 reference stays cheap.
+
+Weighted so each kernel variant gets its share: the Gluon (Hopper) forward and backward have their own
+recipes (plain 16-bit calls at the head dims and lengths their gates accept), "gate" recipes draw
+lengths on both sides of each gate, and the Triton configs (a function of head-dim bucket, dtype, mask
+kind and length class) are reached by spreading those over the pool.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import math
+import random
+from dataclasses import asdict, dataclass, fields
+from typing import Optional
+
+ENTRIES = ("attention", "varlen", "kvcache", "merge")
+DTYPE_NAMES = ("bfloat16", "float16", "float32")
+
+# Gates of the Hopper kernels, copied here so that drawing a case never imports Triton (a case must be
+# the same on a machine without it).  tests/gpu/test_fuzz_gpu.py checks them against the modules:
+# attn_fwd_hopper.TILE / MIN_KEYS / MIN_KEYS_CAUSAL / TILES, attn_bwd_hopper.BLOCK_N / DEFAULT.
+HOPPER_FWD_TILE = 128
+HOPPER_FWD_MIN_KEYS = {64: 16384, 128: 512, 256: 512}   # D=64 starts past this fuzzer's length bound
+HOPPER_BWD_BLOCK_N = 128
+HOPPER_BWD_DIMS = (64, 128)
+
+
+@dataclass
+class FuzzCase:
+    """One call.  Shapes per entry point:
+    attention: q [b, sq, hq, d], k [b, sk, hkv, d], v [b, sk, hkv, dv].
+    varlen: `seqs` are (len_q, len_k) per sequence; `tail` NaN rows follow cu_seqlens[-1] in q and k/v;
+        max_seqlen_* are the longest lengths + `max_extra`.
+    kvcache: `seqs` are cache lengths before the append of `new` tokens (() with whole_cache: cache_seqlens
+        None); `sk` is the capacity; `page` > 0 makes the cache paged (block size `page`, plus
+        `spare_blocks` unused NaN blocks in the pool).
+    merge: attention over `sk` keys cut into `parts` (sizes; 0 = a part with no keys: NaN output, lse
+        -inf), "chunks" contiguous (causal through per-part windows) or "subsets" (random disjoint).
+    logit: std of the scores softmax_scale * q.k (q and k scaled to give it).  layout: "contiguous",
+    "padded" (row stride padded, NaN in the gap) or "transposed" (heads outer in memory)."""
+
+    seed: int = 0
+    index: int = 0
+    entry: str = "attention"
+    regime: str = "general"
+    dtype: str = "float32"
+    b: int = 1
+    sq: int = 1
+    sk: int = 1
+    hq: int = 1
+    hkv: int = 1
+    d: int = 16
+    dv: int = 16
+    causal: bool = False
+    window: tuple = (-1, -1)
+    softcap: float = 0.0
+    alibi: Optional[str] = None
+    dropout_p: float = 0.0
+    scale: Optional[float] = None
+    logit: float = 1.0
+    layout: str = "contiguous"
+    return_lse: bool = True
+    grads: bool = False
+    dlse: bool = False
+    deterministic: bool = False
+    seqs: tuple = ()
+    tail: int = 0
+    max_extra: int = 0
+    new: int = 0
+    page: int = 0
+    spare_blocks: int = 0
+    whole_cache: bool = False
+    parts: tuple = ()
+    split: str = "chunks"
+    recipe: int = -1
+    data_seed: int = 0
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), sort_keys=True)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> "FuzzCase":
+        known = {f.name for f in fields(cls)}
+        kw = {k: v for k, v in d.items() if k in known}
+        if "window" in kw:
+            kw["window"] = tuple(kw["window"])
+        if "seqs" in kw:
+            kw["seqs"] = tuple(tuple(s) if isinstance(s, (list, tuple)) else s for s in kw["seqs"])
+        if "parts" in kw:
+            kw["parts"] = tuple(kw["parts"])
+        return cls(**kw)
+
+    @classmethod
+    def from_json(cls, text: str) -> "FuzzCase":
+        return cls.from_dict(json.loads(text))
+
+    def describe(self) -> str:
+        """A short human label: entry, dtype, shape and features."""
+        p = [self.entry, self.dtype.replace("float", "f").replace("bf", "bf")]
+        if self.entry == "varlen":
+            p.append("seqs" + "/".join(f"{a}x{b}" for a, b in self.seqs) + (f"+{self.tail}" if self.tail else ""))
+        elif self.entry == "kvcache":
+            p.append(f"b{self.b} sq{self.sq} cap{self.sk} new{self.new}" + (f" page{self.page}" if self.page else ""))
+        else:
+            p.append(f"b{self.b} sq{self.sq} sk{self.sk}")
+        p.append(f"h{self.hq}/{self.hkv} d{self.d}" + (f"/{self.dv}" if self.dv != self.d else ""))
+        if self.causal:
+            p.append("causal")
+        if tuple(self.window) != (-1, -1):
+            p.append(f"win{tuple(self.window)}")
+        if self.softcap:
+            p.append(f"cap{self.softcap:g}")
+        if self.alibi:
+            p.append(f"alibi-{self.alibi}")
+        if self.dropout_p:
+            p.append(f"drop{self.dropout_p:g}")
+        if self.scale is not None:
+            p.append(f"scale{self.scale:.3g}")
+        if self.layout != "contiguous":
+            p.append(self.layout)
+        if self.entry == "merge":
+            p.append(f"parts{list(self.parts)}-{self.split}")
+        p.append(f"logit{self.logit:.2g}")
+        if self.grads:
+            p.append("grads" + ("+dlse" if self.dlse else "") + ("+det" if self.deterministic else ""))
+        if self.return_lse:
+            p.append("lse")
+        return " ".join(p)
+
+
+# ----------------------------------------------------------------------------- size profiles
+@dataclass(frozen=True)
+class Profile:
+    work: int                  # bound on B * Hq * Sq * Sk (varlen: Hq * sum(len_q * len_k))
+    dropout_work: int          # tighter bound with dropout (the reference materialises the keep-mask)
+    max_len: int
+    max_b: int
+    max_hq: int
+    ratios: tuple              # Hq / Hkv
+    dims: tuple                # (d, dv) pairs spread over the attention / varlen recipes
+    kv_dims: tuple             # (d, dv) pairs of the kvcache and merge recipes
+    pages: tuple               # paged-cache block sizes (0: a dense cache)
+    kv_sq: tuple               # query lengths of the kvcache recipes (decode, speculative, chunked prefill)
+    max_seqs: int
+    pool: dict                 # recipes per entry point
+    hopper: bool               # recipes for the Gluon kernels and their gates
+
+
+SMALL = Profile(
+    work=2 ** 15, dropout_work=2 ** 15, max_len=40, max_b=3, max_hq=8, ratios=(1, 2, 4),
+    dims=((16, 16), (32, 32), (40, 40), (64, 64), (32, 16), (16, 40), (32, 32), (64, 64)),
+    kv_dims=((16, 16), (32, 32), (40, 40), (64, 64), (32, 16)),
+    pages=(0, 0, 1, 3, 4, 8, 16, 32), kv_sq=(1, 1, 1, 2, 3, 5, 8), max_seqs=4,
+    pool={"attention": 48, "varlen": 16, "kvcache": 24, "merge": 8}, hopper=False)
+
+FULL = Profile(
+    work=2 ** 25, dropout_work=2 ** 23, max_len=8192, max_b=4, max_hq=16, ratios=(1, 2, 4, 8),
+    dims=((16, 16), (32, 32), (40, 40), (64, 64), (64, 64), (72, 72), (80, 80), (96, 96), (128, 128), (128, 128),
+          (192, 192), (256, 256), (256, 256), (64, 128), (128, 64), (40, 24)),
+    kv_dims=((64, 64), (128, 128), (128, 128), (40, 40), (80, 80), (256, 256), (32, 32), (128, 64)),
+    pages=(0, 0, 0, 1, 7, 16, 64, 128, 256), kv_sq=(1, 1, 1, 1, 2, 4, 5, 8, 37, 64), max_seqs=6,
+    pool={"attention": 32, "varlen": 8, "kvcache": 16, "merge": 6}, hopper=True)
+
+PROFILES = {"small": SMALL, "full": FULL}
+
+_SPECIAL_FULL = (1, 3, 17, 113, 127, 128, 129, 255, 256, 257, 383, 384, 385, 511, 512, 513, 1000, 1023, 1024,
+                 1025, 1500, 2047, 2048, 4095, 4096, 8191, 8192)
+_SPECIAL_SMALL = (1, 2, 3, 7, 15, 16, 17, 31, 32, 33, 40)
+# Lengths on both sides of the Hopper gates: the forward's 128-row tiles from 512 keys, the backward's
+# 128-key tiles from 128 (and the Triton kernels' 1024 "short" / "long" boundary).
+_GATE_M16 = (128, 256, 384, 512, 640, 1024, 1152)
+_GATE_N16 = (127, 129, 255, 383, 385, 511, 513, 639, 641, 1023, 1025)
+_MASKS = ("none", "causal", "both", "left", "right", "causal", "both", "none")
+# (softcap, alibi, dropout_p) per recipe; the dropout threshold is an integer kernel argument, so p is
+# part of the recipe (0.25 and 0.5 give thresholds divisible by 16, 0.1 and 0.8 do not)
+_FEATURES = ((0.0, None, 0.0), (0.0, None, 0.0), (0.0, None, 0.0), (5.0, None, 0.0), (0.0, "head", 0.0),
+             (0.0, "batch_head", 0.0), (0.0, None, 0.25), (0.0, None, 0.8), (2.0, "head", 0.0),
+             (0.0, None, 0.0), (30.0, None, 0.1), (0.0, "batch_head", 0.5))
+_LAYOUTS = ("contiguous", "contiguous", "contiguous", "contiguous", "padded8", "padded16", "transposed")
+_PADS = {"contiguous": 0, "padded8": 8, "padded16": 16, "transposed": 0}
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """What one pool entry pins (everything that reaches a Triton / Gluon compile key)."""
+    entry: str
+    regime: str = "general"     # general | gluon_fwd | gluon_bwd | gate | decode | merge
+    dtype: str = "float32"
+    d: int = 64
+    dv: int = 64
+    hq: int = 1
+    hkv: int = 1
+    mask: str = "none"          # none | causal | both (left and right bounds) | left | right (right bound > 0)
+    softcap: float = 0.0
+    alibi: Optional[str] = None
+    dropout_p: float = 0.0
+    scale: str = "default"      # default | custom (> 0) | negative | zero
+    layout: str = "contiguous"  # contiguous | padded8 | padded16 | transposed
+    qclass: str = "n16"         # one (Sq = 1) | m16 (Sq % 16 == 0) | n16 (Sq odd > 1); varlen: total_q
+    kv_sq: int = 1              # kvcache: Sq
+    page: int = 0               # kvcache: page size (0 = dense)
+    parts: int = 2              # merge: parts with keys
+    empty_parts: int = 0        # merge: parts without keys
+    split: str = "chunks"       # merge
+    b: int = 0                  # kvcache, merge: the batch (0: drawn per case)
+    cap_lo: int = 0             # kvcache: capacities in [cap_lo, 2 cap_lo) (the split count's octave)
+
+
+def _wchoice(rng: random.Random, items):
+    """items: ((value, weight), ...)."""
+    total = sum(w for _, w in items)
+    x = rng.random() * total
+    for value, w in items:
+        x -= w
+        if x < 0:
+            return value
+    return items[-1][0]
+
+
+def _log_uniform_int(rng: random.Random, lo: int, hi: int) -> int:
+    return max(lo, min(hi, int(round(math.exp(rng.uniform(math.log(lo), math.log(hi + 0.999)))))))
+
+
+def _spread(rng: random.Random, values, n: int) -> list:
+    """n values cycling through `values` (each appears n // len times or one more), in random order."""
+    vals = list(values)
+    rng.shuffle(vals)
+    out = (vals * (n // len(vals) + 1))[:n]
+    rng.shuffle(out)
+    return out
+
+
+def _even_heads(d: int, dv: int, layout: str) -> bool:
+    """Rows of d (+ pad) elements that are not a multiple of 16 make the sequence / batch strides' class
+    depend on the head count's parity: such recipes keep even head counts (one class)."""
+    pad = _PADS[layout]
+    return (d + pad) % 16 != 0 or (dv + pad) % 16 != 0
+
+
+def _heads_for(rng: random.Random, prof: Profile, ratio: int, even: bool) -> tuple[int, int]:
+    choices = [h for h in ((2, 4) if even else (1, 1, 2, 3, 4)) if h * ratio <= prof.max_hq] or [1]
+    hkv = rng.choice(choices)
+    return hkv * ratio, hkv
+
+
+def _general_recipes(rng: random.Random, prof: Profile, entry: str, n: int, dtypes) -> list:
+    dims = _spread(rng, prof.dims, n)
+    dts = _spread(rng, [d for d in ("bfloat16", "float16", "float32", "bfloat16", "float16") if d in dtypes], n)
+    masks = _spread(rng, _MASKS, n)
+    feats = _spread(rng, _FEATURES, n)
+    layouts = _spread(rng, _LAYOUTS, n)
+    ratios = _spread(rng, prof.ratios, n)
+    qclasses = _spread(rng, ("n16", "m16", "n16", "m16", "n16", "one") if entry == "attention" else ("n16", "m16"), n)
+    out = []
+    for i in range(n):
+        (d, dv), layout = dims[i], layouts[i]
+        if layout == "transposed" and (d % 16 or dv % 16):
+            layout = "contiguous"   # a transposed [B, S, H, D] with D % 16 != 0 has a stride per parity of B
+        softcap, alibi, p = feats[i]
+        u = rng.random()
+        scale = "custom" if u < 0.2 else "negative" if u < 0.25 else "zero" if u < 0.28 else "default"
+        hq, hkv = _heads_for(rng, prof, ratios[i], _even_heads(d, dv, layout))
+        out.append(Recipe(entry=entry, dtype=dts[i], d=d, dv=dv, hq=hq, hkv=hkv, mask=masks[i], softcap=softcap,
+                          alibi=alibi, dropout_p=p, scale=scale, layout=layout, qclass=qclasses[i]))
+    return out
+
+
+def _hopper_recipes(rng: random.Random, prof: Profile, dtypes) -> list:
+    """Plain 16-bit contiguous calls of the shapes the Gluon kernels serve, and of their gates."""
+    sixteen = [d for d in ("bfloat16", "float16") if d in dtypes]
+    if not sixteen:
+        return []
+    out = []
+    # (regime, head dim, causal): each Gluon kernel at its head dims, with and without the causal mask
+    plan = (("gluon_fwd", 128, False), ("gluon_fwd", 128, True), ("gluon_fwd", 256, False), ("gluon_fwd", 256, True),
+            ("gluon_bwd", 64, False), ("gluon_bwd", 64, True), ("gluon_bwd", 128, False), ("gluon_bwd", 128, True),
+            ("gate", 128, rng.random() < 0.5), ("gate", 64, rng.random() < 0.5))
+    dts = _spread(rng, sixteen, len(plan))
+    for i, (regime, d, causal) in enumerate(plan):
+        hq, hkv = _heads_for(rng, prof, rng.choice(prof.ratios), False)
+        qclass = "m16" if regime == "gluon_fwd" else rng.choice(("n16", "m16"))
+        out.append(Recipe(entry="attention", regime=regime, dtype=dts[i], d=d, dv=d, hq=hq, hkv=hkv,
+                          mask="causal" if causal else "none", qclass=qclass,
+                          scale="custom" if rng.random() < 0.25 else "default"))
+    return out
+
+
+def _kv_recipes(rng: random.Random, prof: Profile, n: int, dtypes) -> list:
+    """The decode kernel specialises its window bounds and split count (integers), and the split merge its
+    BLOCK_P (a power of two >= the split count): a recipe pins the batch, the window's value class and
+    an octave of capacities (so the split count stays within about a factor of two)."""
+    dims = _spread(rng, prof.kv_dims, n)
+    dts = _spread(rng, [d for d in ("bfloat16", "float16", "float32", "bfloat16", "float16") if d in dtypes], n)
+    pages = _spread(rng, prof.pages, n)
+    sqs = _spread(rng, prof.kv_sq, n)
+    masks = _spread(rng, ("none", "causal", "causal", "both", "left", "right", "zero", "one_zero", "causal_left",
+                          "none"), n)
+    feats = _spread(rng, ((0.0, None), (0.0, None), (0.0, None), (5.0, None), (0.0, "head"), (0.0, "batch_head")), n)
+    ratios = _spread(rng, prof.ratios, n)
+    layouts = _spread(rng, ("contiguous", "contiguous", "contiguous", "padded8", "padded16"), n)
+    out = []
+    for i in range(n):
+        d, dv = dims[i]
+        hq, hkv = _heads_for(rng, prof, ratios[i], _even_heads(d, dv, layouts[i]))
+        b = rng.randint(1, prof.max_b + 1)
+        cap_lo = _log_uniform_int(rng, 1, prof.max_len // 2)
+        while cap_lo > 1 and b * hq * sqs[i] * 2 * max(cap_lo, pages[i] * 3) > prof.work:
+            cap_lo //= 2
+        out.append(Recipe(entry="kvcache", regime="decode", dtype=dts[i], d=d, dv=dv, hq=hq, hkv=hkv, mask=masks[i],
+                          softcap=feats[i][0], alibi=feats[i][1], layout=layouts[i], kv_sq=sqs[i], page=pages[i],
+                          scale="custom" if rng.random() < 0.2 else "default", b=b, cap_lo=cap_lo))
+    return out
+
+
+def _merge_recipes(rng: random.Random, prof: Profile, n: int, dtypes) -> list:
+    dims = _spread(rng, prof.kv_dims, n)
+    dts = _spread(rng, [d for d in ("bfloat16", "float16", "float32") if d in dtypes], n)
+    out = []
+    for i in range(n):
+        d, dv = dims[i]
+        hq, hkv = _heads_for(rng, prof, rng.choice(prof.ratios), _even_heads(d, dv, "contiguous"))
+        split = "chunks" if i % 3 != 2 else "subsets"
+        out.append(Recipe(entry="merge", regime="merge", dtype=dts[i], d=d, dv=dv, hq=hq, hkv=hkv,
+                          mask="causal" if split == "chunks" and i % 2 == 0 else "none",
+                          softcap=5.0 if i % 4 == 3 else 0.0, qclass=("n16", "m16")[i % 2],
+                          parts=rng.randint(1, 4), empty_parts=rng.choice((0, 1, 2)), split=split,
+                          scale="custom" if rng.random() < 0.2 else "default", b=rng.randint(1, prof.max_b)))
+    return out
+
+
+@functools.lru_cache(maxsize=64)
+def recipe_pool(seed: int, size: str, dtypes: tuple) -> dict:
+    """{entry point: [Recipe]} of the run seeded by `seed` (a pure function of the arguments)."""
+    prof = PROFILES[size]
+    rng = random.Random(f"flashport-fuzz-pool/{seed}/{size}/{','.join(dtypes)}")
+    pool = prof.pool
+    hopper = _hopper_recipes(rng, prof, dtypes) if prof.hopper else []
+    return {"attention": _general_recipes(rng, prof, "attention", pool["attention"] - len(hopper), dtypes) + hopper,
+            "varlen": _general_recipes(rng, prof, "varlen", pool["varlen"], dtypes),
+            "kvcache": _kv_recipes(rng, prof, pool["kvcache"], dtypes),
+            "merge": _merge_recipes(rng, prof, pool["merge"], dtypes)}
+
+
+# ----------------------------------------------------------------------------- per-case draws
+def draw_length(rng: random.Random, prof: Profile, lo: int = 1) -> int:
+    """A sequence length in [lo, prof.max_len]: odd sizes, multiples of 128 and their neighbours,
+    the gates' lengths, and log-uniform."""
+    if prof is SMALL:
+        x = rng.choice(_SPECIAL_SMALL) if rng.random() < 0.4 else rng.randint(1, prof.max_len)
+    else:
+        u = rng.random()
+        if u < 0.22:
+            x = rng.randint(1, 64)
+        elif u < 0.42:
+            x = 128 * _log_uniform_int(rng, 1, prof.max_len // 128)
+        elif u < 0.55:
+            x = 128 * rng.randint(1, 16) + rng.choice((-1, 1))
+        elif u < 0.75:
+            x = rng.choice(_SPECIAL_FULL)
+        else:
+            x = _log_uniform_int(rng, 1, prof.max_len)
+    return max(lo, min(prof.max_len, x))
+
+
+def _in_class(x: int, qclass: str, hi: int) -> int:
+    """x moved into its recipe's length class (one: 1; m16: a multiple of 16; n16: odd and > 1)."""
+    if qclass == "one":
+        return 1
+    if qclass == "m16":
+        return max(16, min(hi - hi % 16, x - x % 16))
+    x = x | 1
+    if x > hi:
+        x -= 2
+    return max(3, x)
+
+
+def _query_length(rng: random.Random, prof: Profile, qclass: str) -> int:
+    if qclass == "m16" and prof is FULL and rng.random() < 0.5:
+        return 128 * _log_uniform_int(rng, 1, prof.max_len // 128)
+    return _in_class(draw_length(rng, prof), qclass, prof.max_len)
+
+
+def _window(rng: random.Random, c: FuzzCase, family: str, span: int, odd: bool = False) -> None:
+    """causal / window_size within the recipe's mask family; bounds stay below span = Sq + Sk (a bound
+    that reaches every key is folded to -1, which would change the kernel's flags).  odd: bounds other
+    than 0 and -1 are odd and > 1 (the decode kernel specialises them: 1 and multiples of 16 are classes
+    of their own), and "zero" / "one_zero" / "causal_left" are families of their own."""
+    top = max(1, span - 1)
+
+    def w(lo: int = 0) -> int:
+        x = rng.choice((0, 1, 2, 3, 5, 8, 16, 31, 64, 127, 128, 200)) if rng.random() < 0.5 else rng.randint(0, top)
+        x = max(lo, min(top, x))
+        if odd:
+            x = x | 1
+            x = x if x > 1 else 3
+            x = x if x <= top else max(1, top - 1 + top % 2)
+        return x
+
+    c.causal, c.window = False, (-1, -1)
+    kind = family
+    if family == "both" and not odd:
+        kind = rng.choice(("both", "both", "zero", "one_zero", "causal_left"))
+    if kind == "causal":
+        c.causal = rng.random() < 0.7
+        c.window = (-1, -1) if c.causal else (-1, 0)
+    elif kind == "left":
+        c.window = (w(), -1)
+    elif kind == "right":
+        c.window = (-1, w(1))
+    elif kind == "zero":
+        c.window, c.causal = (0, 0), rng.random() < 0.3
+    elif kind == "one_zero":
+        c.window, c.causal = (1, 0), rng.random() < 0.3
+    elif kind == "causal_left":
+        c.window, c.causal = (w(), 0 if odd else rng.choice((-1, 0))), True
+    elif kind == "both":
+        c.window = (w(), w())
+
+
+def _scale(rng: random.Random, c: FuzzCase, kind: str) -> None:
+    if kind == "custom":
+        c.scale = round(c.d ** -0.5 * math.exp(rng.uniform(math.log(0.25), math.log(4.0))), 6)
+    elif kind == "negative":
+        c.scale = -round(c.d ** -0.5 * rng.uniform(0.5, 2.0), 6)
+    elif kind == "zero":
+        c.scale = 0.0
+
+
+def _grad_options(rng: random.Random, c: FuzzCase, p_grads: float = 0.7) -> None:
+    c.return_lse = rng.random() < 0.6
+    c.grads = rng.random() < p_grads
+    c.dlse = c.grads and c.return_lse and rng.random() < 0.3
+    c.deterministic = c.grads and rng.random() < 0.25
+
+
+def _apply(c: FuzzCase, r: Recipe, rng: random.Random) -> None:
+    c.regime, c.dtype, c.d, c.dv, c.hq, c.hkv = r.regime, r.dtype, r.d, r.dv, r.hq, r.hkv
+    c.alibi, c.dropout_p = r.alibi, r.dropout_p
+    c.layout = r.layout
+    if r.softcap:
+        c.softcap = rng.choice((0.5, 1.0, 2.0, 5.0, 10.0, 30.0))
+    _scale(rng, c, r.scale)
+    c.logit = round(math.exp(rng.uniform(math.log(0.1), math.log(5.0))), 4)
+
+
+def _fit_batch(rng: random.Random, c: FuzzCase, work: int, prof: Profile) -> None:
+    """A batch size, and Sk (then Sq, within its class) shrunk while B * Hq * Sq * Sk > work."""
+    c.b = rng.randint(1, prof.max_b)
+    while c.b > 1 and c.b * c.hq * c.sq * c.sk > work:
+        c.b -= 1
+    while c.hq * c.sq * c.sk > work:
+        if c.sk > 1 and (c.sk >= c.sq or c.sq <= 16):
+            c.sk = max(1, c.sk // 2)
+        else:
+            c.sq = _in_class(c.sq // 2, "m16" if c.sq % 16 == 0 else "n16" if c.sq > 1 else "one", prof.max_len)
+
+
+def _attention(rng, c: FuzzCase, r: Recipe, prof: Profile) -> None:
+    if r.regime == "general":
+        c.sq = _query_length(rng, prof, r.qclass)
+        c.sk = c.sq if rng.random() < 0.4 else draw_length(rng, prof)
+        if prof is SMALL and rng.random() < 0.03:    # no keys: zeros, lse -inf, zero grads
+            c.sk = 0
+        _grad_options(rng, c)
+        _fit_batch(rng, c, prof.dropout_work if c.dropout_p else prof.work, prof)
+        _window(rng, c, r.mask, c.sq + c.sk)
+        return
+    causal = r.mask == "causal"
+    if r.regime == "gluon_fwd":
+        floor = HOPPER_FWD_MIN_KEYS[c.d] // HOPPER_FWD_TILE
+        c.sq = HOPPER_FWD_TILE * _log_uniform_int(rng, floor, 32)
+        c.sk = c.sq if causal or rng.random() < 0.4 else HOPPER_FWD_TILE * _log_uniform_int(rng, floor, 64)
+        _grad_options(rng, c, p_grads=0.5)
+    elif r.regime == "gluon_bwd":
+        lo = HOPPER_BWD_BLOCK_N
+        c.sq = _in_class(rng.choice((lo * rng.randint(1, 16), rng.randint(lo, 2100))), r.qclass, prof.max_len)
+        c.sk = c.sq if causal or rng.random() < 0.4 else rng.choice((lo * rng.randint(1, 24), rng.randint(lo, 3000)))
+        _grad_options(rng, c, p_grads=1.0)
+        c.deterministic = False
+    else:
+        c.sq = rng.choice(_GATE_M16 if r.qclass == "m16" else _GATE_N16)
+        c.sk = c.sq if causal or rng.random() < 0.5 else rng.choice(_GATE_M16 + _GATE_N16)
+        _grad_options(rng, c, p_grads=0.6)
+    c.causal = causal
+    c.b = rng.randint(1, prof.max_b)
+    while c.b > 1 and c.b * c.hq * c.sq * c.sk > prof.work:
+        c.b -= 1
+    # (the recipes' heads keep the largest Gluon shapes, 4096 x 8192 at B = Hq = 1, inside the bound;
+    # otherwise the keys shrink by whole tiles)
+    while c.hq * c.sq * c.sk > prof.work and c.sk > HOPPER_FWD_TILE:
+        c.sk = c.sq if causal else max(HOPPER_FWD_TILE, (c.sk // 2) - (c.sk // 2) % HOPPER_FWD_TILE)
+        if causal:
+            c.sq = c.sk = max(HOPPER_FWD_TILE, (c.sq // 2) - (c.sq // 2) % 16)
+
+
+def _varlen(rng, c: FuzzCase, r: Recipe, prof: Profile) -> None:
+    n = rng.randint(1, prof.max_seqs)
+    short = FULL.max_len // 4 if prof is FULL else prof.max_len
+    seqs = []
+    for _ in range(n):
+        u = rng.random()
+        lq = 0 if u < 0.1 else 1 if u < 0.2 else min(short, draw_length(rng, prof))
+        lk = lq if rng.random() < 0.5 else (rng.choice((0, 1)) if rng.random() < 0.15 else
+                                            min(short, draw_length(rng, prof)))
+        seqs.append([lq, lk])
+    work = prof.dropout_work if c.dropout_p else prof.work
+    while c.hq * sum(a * b for a, b in seqs) > work:       # halve the longest sequence until it fits
+        i = max(range(n), key=lambda j: seqs[j][0] * seqs[j][1])
+        seqs[i] = [max(1, seqs[i][0] // 2), max(1, seqs[i][1] // 2)]
+    c.seqs = tuple(tuple(s) for s in seqs)
+    c.b = n
+    c.sq, c.sk = max(s[0] for s in seqs), max(s[1] for s in seqs)
+    # rows past cu_seqlens_q[-1]: the tail also puts total_q (lse's head stride) in the recipe's class
+    nq = sum(s[0] for s in seqs)
+    tail = rng.choice((0, 0, 1, 3, 17))
+    if r.qclass == "m16":
+        tail += (-(nq + tail)) % 16
+    elif (nq + tail) % 2 == 0:
+        tail += 1
+    if nq + tail == 1:
+        tail += 2
+    c.tail = tail
+    c.max_extra = 0 if rng.random() < 0.8 else rng.randint(1, 50)
+    _window(rng, c, r.mask, min(c.sq + c.max_extra, nq + tail) + min(c.sk + c.max_extra, sum(s[1] for s in seqs)
+                                                                    + tail))
+    _grad_options(rng, c)
+
+
+def _kvcache(rng, c: FuzzCase, r: Recipe, prof: Profile) -> None:
+    c.sq, c.page, c.b = r.kv_sq, r.page, r.b
+    c.new = 0 if rng.random() < 0.35 else c.sq if rng.random() < 0.7 else rng.randint(1, c.sq)
+    cap = max(c.new, rng.randint(r.cap_lo, 2 * r.cap_lo - 1) if r.cap_lo > 1 else 1)
+    if c.page:       # block-table rows of >= 2 pages, not a multiple of 16 (its stride's class)
+        nblk = max(2, -(-cap // c.page))
+        if nblk % 16 == 0:
+            nblk += 1
+        cap = nblk * c.page
+        c.spare_blocks = rng.randint(1, 3)
+    c.sk = cap
+    c.whole_cache = c.new == 0 and rng.random() < 0.12
+    if not c.whole_cache:
+        lens = []
+        for _ in range(c.b):
+            v = rng.random()
+            lens.append(0 if v < 0.1 else c.sk - c.new if v < 0.25 else rng.randint(0, c.sk - c.new))
+        c.seqs = tuple(lens)
+    _window(rng, c, r.mask, c.sq + c.sk, odd=True)
+    c.return_lse = rng.random() < 0.6
+
+
+def _merge(rng, c: FuzzCase, r: Recipe, prof: Profile) -> None:
+    c.sq = _query_length(rng, prof, r.qclass)
+    c.sk = max(r.parts, draw_length(rng, prof))
+    c.b = r.b
+    while c.b * c.hq * c.sq * c.sk > prof.work:
+        if c.sk > max(r.parts, c.sq):
+            c.sk = max(r.parts, c.sk // 2)
+        else:
+            c.sq = _in_class(c.sq // 2, r.qclass, prof.max_len)
+    c.split, c.causal, c.return_lse = r.split, r.mask == "causal", True
+    cuts = sorted(rng.sample(range(1, c.sk), r.parts - 1)) if r.parts > 1 else []
+    sizes = [b - a for a, b in zip([0] + cuts, cuts + [c.sk])]
+    for _ in range(r.empty_parts):          # parts with no keys (NaN outputs, lse -inf)
+        sizes.insert(rng.randint(0, len(sizes)), 0)
+    c.parts = tuple(sizes)
+
+
+_DRAW = {"attention": _attention, "varlen": _varlen, "kvcache": _kvcache, "merge": _merge}
+_ENTRY_WEIGHTS = {"attention": 0.55, "varlen": 0.17, "kvcache": 0.2, "merge": 0.08}
+
+
+def draw_case(seed: int, index: int, size: str = "full", dtypes=DTYPE_NAMES, entries=ENTRIES) -> FuzzCase:
+    """Case `index` of the run seeded by `seed`: a pure function of the arguments."""
+    prof = PROFILES[size]
+    dtypes = tuple(d for d in DTYPE_NAMES if d in set(dtypes))
+    if not dtypes:
+        raise ValueError("no dtype to draw from (float16, bfloat16, float32)")
+    rng = random.Random(f"flashport-fuzz/{seed}/{index}")
+    c = FuzzCase(seed=seed, index=index, data_seed=rng.getrandbits(62))
+    c.entry = _wchoice(rng, tuple((e, _ENTRY_WEIGHTS[e]) for e in ENTRIES if e in entries))
+    pool = recipe_pool(seed, size, dtypes)[c.entry]
+    c.recipe = rng.randrange(len(pool))
+    r = pool[c.recipe]
+    _apply(c, r, rng)
+    _DRAW[c.entry](rng, c, r, prof)
+    c.window = tuple(c.window)
+    return c
