@@ -16,18 +16,18 @@ timeout $((T + 60)) python -m flashport.fuzz --n "$N" --seed "$SEED" --workers "
   --size full --max-seconds "$T" --log "$OUT/fuzz_h200.jsonl" > "$OUT/fuzz_h200.log" 2>&1 &
 fuzz=$!
 (
-  FLASHPORT_FUZZ_N=100 timeout 300 python -m pytest -q -p no:cacheprovider --durations=15 tests/gpu \
+  FLASHPORT_FUZZ_N=100 timeout 240 python -m pytest -q -p no:cacheprovider --durations=15 tests/gpu \
     > "$OUT/gpu_tier.log" 2>&1; echo "gpu tier rc=$?" >> "$OUT/gpu_tier.log"
-  timeout 200 compute-sanitizer --tool memcheck --error-exitcode 9 python -m pytest -q -p no:cacheprovider \
+  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python -m pytest -q -p no:cacheprovider \
     tests/gpu/test_contents_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_triton_gpu.py::test_varlen_poisoned_padding \
     tests/gpu/test_triton_gpu.py::test_check_grid_gpu_cases -k "not graph" > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$?" >> "$OUT/memcheck.log"
-  timeout 60 compute-sanitizer --tool memcheck python bench/memcheck_negative.py > "$OUT/memcheck_negative.log" 2>&1
+  timeout 45 compute-sanitizer --tool memcheck python bench/memcheck_negative.py > "$OUT/memcheck_negative.log" 2>&1
   echo "negative control rc=$?" >> "$OUT/memcheck_negative.log"
 ) &
 side=$!
 wait $fuzz; echo "fuzz rc=$?" | tee -a "$OUT/fuzz_h200.log"
 wait $side
-OUT=$OUT timeout 90 python bench/guard_cost.py > "$OUT/guard_cost.log" 2>&1; echo "guard cost rc=$?"
+OUT=$OUT timeout 60 python bench/guard_cost.py > "$OUT/guard_cost.log" 2>&1; echo "guard cost rc=$?"
 tail -n 40 "$OUT/fuzz_h200.log"; grep -E "passed|failed|rc=" "$OUT/gpu_tier.log" | tail -3
 grep -E "ERROR SUMMARY|rc=" "$OUT/memcheck.log" "$OUT/memcheck_negative.log"; cat "$OUT/guard_cost.log"
