@@ -6,7 +6,10 @@ most FACTOR x the max error of the same-dtype math path (QK^T, softmax and PV ma
 every operation in the input dtype) plus rounding noise; FACTOR is 2 for out and lse, 3 for the
 gradients.  Every backend is run on the grid below as strictly as it allows: with gradients and
 lse where it supports them, otherwise forward only / without lse, and SKIP with its own reasons
-where it supports neither.  Padding (varlen tails, cache slots past the valid length, unused
+where it supports neither.  `flash_extras` (used by flashport.fuzz) adds to the math path's error the
+rounding every flash implementation has and the materialising path lacks (Delta = rowsum(dO * O) from
+the rounded O, probabilities recomputed in float32): without it, a row that sees one key has an exactly
+zero math-path error and the bound would be noise alone.  Padding (varlen tails, cache slots past the valid length, unused
 pages) is poisoned with NaN in the backend's inputs: reading it shows up as a FAIL.
 """
 from __future__ import annotations

@@ -61,6 +61,8 @@ def test_draws_stay_inside_the_contract_and_the_work_bound(size):
             assert max(c.sq, c.sk) <= prof.max_len
         elif c.entry == "varlen":
             assert c.hq * sum(a * b for a, b in c.seqs) <= prof.work
+            if c.dropout_p:     # the dense keep-mask the check draws
+                assert c.b * c.hq * max(a for a, _ in c.seqs) * max(b for _, b in c.seqs) <= prof.dropout_work
             assert (sum(a for a, _ in c.seqs) + c.tail) % 16 == 0 or (sum(a for a, _ in c.seqs) + c.tail) % 2 == 1
         elif c.entry == "kvcache":
             assert c.dropout_p == 0 and not c.grads

@@ -1,8 +1,8 @@
 """The fuzz run: cases 0..n-1 of a seed, in this process or in W spawned workers, a JSON-lines log and a
 summary.  `flashport check --fuzz N --seed S --log PATH` and `python -m flashport.fuzz` both land here.
 
-Workers (torch.multiprocessing, 'spawn'): worker w runs the indices i = w (mod W) of the run, sharing
-Triton's on-disk kernel cache, and sends each result to the parent, which writes the log and the summary.
+Workers (torch.multiprocessing, 'spawn'): the parent hands each free worker the next case index (all
+share Triton's on-disk kernel cache) and receives its result, and writes the log and the summary.
 A worker whose CUDA context dies (illegal memory access, ...) or whose process crashes is replaced; the
 case it was running is a FAIL.  `max_seconds`: no case starts after that many seconds.
 """
@@ -60,8 +60,9 @@ def repro_command(seed: int, index: int, params: dict) -> str:
 
 # ----------------------------------------------------------------------------- one process
 def _run_indices(indices, params: dict, deadline: Optional[float], emit) -> dict:
-    """Run the cases `indices` here, calling emit(kind, payload) for "start" / "result"; -> jit stats."""
-    from .execute import run_case
+    """Run the cases `indices` (any iterable: a spawned worker's pulls them from the parent) here, calling
+    emit(kind, payload) for "start" / "result"; -> hooks and jit stats ("fatal": the index that left the CUDA
+    context unusable)."""
     device = params["device"]
     rec = Recorder()
     with rec.hooks(device):
@@ -72,7 +73,7 @@ def _run_indices(indices, params: dict, deadline: Optional[float], emit) -> dict
             if params.get("spawned") and os.environ.get("FLASHPORT_FUZZ_TEST_CRASH") == str(i):
                 os._exit(3)          # tests only: a worker that dies in this case (tests/test_fuzz.py)
             case = draw_case(params["seed"], i, params["size"], params["dtypes"], params["entries"])
-            res = run_case(case, device, params["backend"], rec)
+            res = _run_one(case, device, params["backend"], rec)
             res["repro"] = repro_command(params["seed"], i, params)
             emit("result", res)
             if res.get("fatal"):     # the CUDA context is gone: nothing more can run in this process
@@ -85,17 +86,55 @@ def _run_indices(indices, params: dict, deadline: Optional[float], emit) -> dict
     return {"hooks": rec.installed, "hooks_missing": rec.missing, "jit_keys": keys}
 
 
-def _worker(wid: int, indices: list, params: dict, deadline, conn, threads: int) -> None:
-    """Entry point of a spawned worker: results go back through `conn` (a pipe: each send is written before
-    it returns, so what a worker sent before dying always arrives)."""
+def _oom(res: dict) -> bool:
+    return res["status"] == "FAIL" and "out of memory" in res.get("note", "")
+
+
+def _run_one(case, device, backend, rec) -> dict:
+    """run_case, once more after releasing cached memory if the first try ran out of GPU memory (the other
+    workers' caches, not this case's needs); peak_mb: the case's peak of allocated GPU memory."""
+    from .execute import run_case
+    cuda = torch.device(device).type == "cuda"
+    if cuda:
+        torch.cuda.reset_peak_memory_stats()
+    res = run_case(case, device, backend, rec)
+    if cuda and _oom(res):
+        import gc
+        gc.collect()
+        torch.cuda.empty_cache()
+        res = run_case(case, device, backend, rec)
+        res["oom_retry"] = True
+    if cuda:
+        res["peak_mb"] = round(torch.cuda.max_memory_allocated() / 2 ** 20)
+        if _oom(res):
+            torch.cuda.empty_cache()
+    return res
+
+
+def _worker(params: dict, conn, threads: int) -> None:
+    """Entry point of a spawned worker: asks the parent for a case index ("ready" / a result), runs it, sends
+    the result, until told to stop.  A pipe: each send is written before it returns, so what a worker sent
+    before dying always arrives."""
+    def pull():
+        while True:
+            kind, index = conn.recv()
+            if kind != "case":
+                return
+            yield index
+
     try:
         torch.set_num_threads(max(1, threads))
         if torch.device(params["device"]).type == "cuda":
             dev = torch.device(params["device"])
             torch.cuda.set_device(dev.index if dev.index is not None else 0)
-        stats = _run_indices(indices, params, deadline, lambda kind, payload: conn.send((kind, payload)))
+            # W workers share one card: each caching allocator keeps to its share (it frees its cache and
+            # retries before running out), leaving room for the CUDA contexts and Triton's modules
+            torch.cuda.set_per_process_memory_fraction(0.85 / params["workers"])
+        conn.send(("ready", None))
+        stats = _run_indices(pull(), params, None,
+                             lambda kind, payload: conn.send((kind, payload)) if kind == "result" else None)
         conn.send(("dead" if "fatal" in stats else "done", stats))
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, EOFError, BrokenPipeError):
         pass
     finally:
         conn.close()
@@ -156,30 +195,44 @@ def _local(run: _Run, deadline) -> None:
 
 
 def _spawned(run: _Run, workers: int, deadline) -> None:
+    """W spawned workers, each handed the next case index as soon as it is free (a static split i = w (mod W)
+    left one worker with twice the others' compile time in a measured 5000-case run); past the deadline no
+    index is handed out."""
+    import collections
+
     import torch.multiprocessing as mp
     from multiprocessing.connection import wait
 
     from .cases import FuzzCase
     ctx = mp.get_context("spawn")
     threads = max(1, (os.cpu_count() or 1) // workers)
-    assigned = {w: list(run.params["indices"][w::workers]) for w in range(workers)}
+    pending = collections.deque(run.params["indices"])
     procs, conns, inflight, starts = {}, {}, {}, Counter()
 
     def start(w):
-        todo = [i for i in assigned[w] if i not in run.results]
-        if not todo or (deadline is not None and time.time() > deadline):
+        if not pending or (deadline is not None and time.time() > deadline):
             return
         starts[w] += 1
-        if starts[w] > 20:           # it cannot even start (or dies in every case): give its cases up
-            for i in todo:
-                run.lost(i, "CRASH", "worker could not run (restarted 20 times)")
+        if starts[w] > 20:           # it cannot even start (or dies in every case): give the rest up
+            if not conns:
+                while pending:
+                    run.lost(pending.popleft(), "CRASH", "workers could not run (restarted 20 times)")
             return
-        recv, send = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(w, todo, {**run.params, "spawned": True}, deadline, send, threads),
-                        daemon=True)
+        here, there = ctx.Pipe(duplex=True)
+        p = ctx.Process(target=_worker, args=({**run.params, "spawned": True}, there, threads), daemon=True)
         p.start()
-        send.close()                 # the parent keeps only the reading end: EOF once the worker is gone
-        procs[w], conns[w], inflight[w] = p, recv, (None, time.time())
+        there.close()                # the parent keeps its end only: EOF once the worker is gone
+        procs[w], conns[w] = p, here
+
+    def hand_out(w):
+        """The next index to worker w, or stop."""
+        if pending and (deadline is None or time.time() <= deadline):
+            i = pending.popleft()
+            inflight[w] = (i, time.time())
+            conns[w].send(("case", i))
+        else:
+            inflight[w] = (None, time.time())
+            conns[w].send(("stop", None))
 
     def retire(w, why: Optional[str]):
         """Worker w is gone (why: None = finished normally); its case in flight, if any, is reported."""
@@ -192,9 +245,8 @@ def _spawned(run: _Run, workers: int, deadline) -> None:
         index = inflight.pop(w, (None, 0))[0]
         if why is not None:
             if index is not None and index not in run.results:
-                code = p.exitcode
                 run.lost(index, "TIMEOUT" if why == "hung" else "CRASH",
-                         f"worker {'hung' if why == 'hung' else f'exited with code {code}'} in this case")
+                         f"worker {'hung' if why == 'hung' else f'exited with code {p.exitcode}'} in this case")
             start(w)
 
     for w in range(workers):
@@ -207,21 +259,28 @@ def _spawned(run: _Run, workers: int, deadline) -> None:
             except (EOFError, OSError):
                 retire(w, "crashed")
                 continue
-            if kind == "start":
-                inflight[w] = (payload, time.time())
-            elif kind == "result":
-                payload["case_text"] = FuzzCase.from_dict(payload["case"]).describe()
-                run.add(payload)
-                inflight[w] = (None, time.time())
-            elif kind in ("done", "dead"):   # dead: its CUDA context is gone, a fresh worker takes the rest
-                run.stats.append(payload)
-                inflight.pop(w, None)
-                retire(w, None if kind == "done" else "dead")
+            try:
+                if kind == "ready":
+                    hand_out(w)
+                elif kind == "result":
+                    payload["case_text"] = FuzzCase.from_dict(payload["case"]).describe()
+                    run.add(payload)
+                    inflight[w] = (None, time.time())
+                    if not payload.get("fatal"):
+                        hand_out(w)
+                elif kind in ("done", "dead"):   # dead: its CUDA context is gone, a fresh worker takes over
+                    run.stats.append(payload)
+                    inflight.pop(w, None)
+                    retire(w, None if kind == "done" else "dead")
+            except (BrokenPipeError, OSError):
+                retire(w, "crashed")
         for w in list(conns):
             index, since = inflight.get(w, (None, time.time()))
             if index is not None and time.time() - since > CASE_TIMEOUT:
                 procs[w].kill()
                 retire(w, "hung")
+    while pending and deadline is None:    # every worker gave up (restarted 20 times)
+        run.lost(pending.popleft(), "CRASH", "workers could not run (restarted 20 times)")
 
 
 def summarize(results: list[dict], params: dict, seconds: float, stats: list[dict]) -> dict:
@@ -265,6 +324,10 @@ def summarize(results: list[dict], params: dict, seconds: float, stats: list[dic
         "hooks": sorted({h for s in stats for h in s.get("hooks", [])}),
         "hooks_missing": sorted({h for s in stats for h in s.get("hooks_missing", [])}),
         "jit_specialisations": {fn: len(ks) for fn, ks in sorted(keys.items())},
+        "peak_mb_max": max((r.get("peak_mb", 0) for r in results), default=0),
+        "oom_retries": sum(1 for r in results if r.get("oom_retry")),
+        "slowest": [{"index": r["index"], "seconds": r.get("seconds", 0.0)}
+                    for r in sorted(results, key=lambda r: -r.get("seconds", 0.0))[:5]],
     }
 
 
@@ -294,6 +357,9 @@ def format_summary(s: dict) -> str:
         lines.append("")
         lines.append("Triton specialisations compiled or loaded: " + ", ".join(
             f"{k} {v}" for k, v in s["jit_specialisations"].items()) + f" (total {sum(s['jit_specialisations'].values())})")
+    if s.get("peak_mb_max"):
+        lines.append(f"largest case: {s['peak_mb_max']} MiB of GPU memory at its peak; "
+                     f"{s['oom_retries']} case(s) retried after running out of memory")
     if s.get("hooks_missing"):
         lines.append("variant hooks missing: " + ", ".join(s["hooks_missing"]))
     if s["failures"]:
