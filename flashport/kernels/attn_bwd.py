@@ -88,7 +88,7 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
             delta = tl.load(delta_ptr + offs_m)
         qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
         s_t, t_t = transform_log2(qk_t, offs_m[None, :], offs_n[:, None], diag, qk_scale, cap_in, cap_out, slope2,
-                              SOFTCAP, ALIBI)
+                              SOFTCAP, ALIBI, PRECISION == "ieee")
         s_t = mask_scores(s_t, offs_m[None, :], offs_n[:, None], sk, diag, left, right,
                           (start_m < full_lo) | (start_m >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
         p_t = tl.exp2(s_t - lse2[None, :])
@@ -189,7 +189,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi
         v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
         qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
         s, t = transform_log2(qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP,
-                          ALIBI)
+                          ALIBI, PRECISION == "ieee")
         s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right,
                         (start_n < full_lo) | (start_n >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
         p = tl.exp2(s - lse2[:, None])

@@ -52,7 +52,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
             m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
         else:
             s, t = transform_log2(qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, cap_in, cap_out, slope2,
-                                  SOFTCAP, ALIBI)
+                                  SOFTCAP, ALIBI, PRECISION == "ieee")
             s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right, boundary, MASK, HAS_LEFT,
                             HAS_RIGHT)
             m_ij = tl.maximum(m_i, tl.max(s, 1))

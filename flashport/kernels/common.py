@@ -191,11 +191,20 @@ def tile_part(lo, hi, full_lo, full_hi, part: tl.constexpr, SPLIT: tl.constexpr)
 
 
 @triton.jit
-def tanh(x):
-    # 1 - 2 / (e^{2x} + 1): exact limits at both tails (e^{2x} -> inf gives 1, -> 0 gives -1) and it
-    # runs in the interpreter, which has no libdevice.  Absolute error ~1 ulp of 1, which after the
-    # multiply by softcap is the rounding of the largest scores anyway.
-    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+def tanh(x, PRECISE: tl.constexpr):
+    """tanh in float32 without libdevice (it runs in the interpreter too): 1 - 2 / (e^{2x} + 1), exact at
+    both tails.  Near 0 that form cancels (its error stays ~1 ulp of 1 as tanh(x) -> 0, i.e. softcap * eps
+    on every small score: below the rounding of 16-bit inputs, but over the fp32 rule, which the fuzz caught
+    in lse).  PRECISE (fp32 inputs with IEEE dots) uses there, for |x| < 1.5, the Pade [7/6] approximant
+    (a convergent of Lambert's continued fraction), within 3.4 ulp everywhere:
+    x (x^6 + 378 x^4 + 17325 x^2 + 135135) / (28 x^6 + 3150 x^4 + 62370 x^2 + 135135)."""
+    t = 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)
+    if PRECISE:
+        x2 = x * x
+        p = ((x2 + 378.0) * x2 + 17325.0) * x2 + 135135.0
+        q = ((28.0 * x2 + 3150.0) * x2 + 62370.0) * x2 + 135135.0
+        t = tl.where(tl.abs(x) < 1.5, x * p / q, t)
+    return t
 
 
 @triton.jit
@@ -210,14 +219,15 @@ def visible(i, j, sk, diag, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.c
 
 
 @triton.jit
-def transform_log2(qk, i, j, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+def transform_log2(qk, i, j, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+                   PRECISE: tl.constexpr):
     """Raw dot products qk -> (s2, t): scores in the log2 domain before masking and, with softcap,
     t = tanh(scale * qk / softcap) for the backward (else t is s2, unused).
 
     qk_scale = scale * log2(e); cap_in = scale / softcap; cap_out = softcap * log2(e);
-    slope2 = ALiBi slope * log2(e)."""
+    slope2 = ALiBi slope * log2(e); PRECISE: the accurate tanh (see `tanh`), for fp32 inputs with IEEE dots."""
     if SOFTCAP:
-        t = tanh(qk * cap_in)
+        t = tanh(qk * cap_in, PRECISE)
         s = t * cap_out
     else:
         s = qk * qk_scale
@@ -245,9 +255,9 @@ def mask_scores(s, i, j, sk, diag, left, right, boundary, MASK: tl.constexpr, HA
 @triton.jit
 def score_log2(qk, i, j, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2,
                MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
-               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr):
+               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, PRECISE: tl.constexpr):
     """transform_log2 then, when MASK, the visibility mask: (s2 with -inf where hidden, t)."""
-    s, t = transform_log2(qk, i, j, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI)
+    s, t = transform_log2(qk, i, j, diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP, ALIBI, PRECISE)
     if MASK:
         s = tl.where(visible(i, j, sk, diag, left, right, HAS_LEFT, HAS_RIGHT), s, float("-inf"))
     return s, t

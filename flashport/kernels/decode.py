@@ -130,7 +130,7 @@ def _kvcache_split_kernel(
         # n_end stands in for Sk in the mask: keys past this split's chunk belong to another split.
         s2, _ = score_log2(qk, i[:, None], offs_n[None, :], n_end, diag, window_left, window_right,
                            qk_scale, cap_in, cap_out, slope2[:, None],
-                           True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI)
+                           True, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DOT_PRECISION == "ieee")
         m_new = tl.maximum(m_i, tl.max(s2, 1))
         m_safe = tl.where(m_new == float("-inf"), 0.0, m_new)   # a row with nothing visible yet
         p = tl.math.exp2(s2 - m_safe[:, None])
