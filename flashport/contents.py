@@ -8,6 +8,8 @@ argument.  Reading the flags synchronises, so it happens only when asked: `check
 """
 from __future__ import annotations
 
+import os
+
 import torch
 
 # Slot -> (argument, what was wrong).  The slot numbers are the kernels' constexpr FLAG_* values.
@@ -52,6 +54,64 @@ def check_errors() -> None:
                           + "; ".join(bad) + ". FLASHPORT_CHECKS=1 checks them before the launch instead.")
 
 
+def device_kernels():
+    """flashport.kernels.contents where Triton can run it (importable, a tested release or
+    FLASHPORT_ALLOW_UNTESTED_TRITON=1), else None: the PyTorch versions below serve instead."""
+    global _kernels
+    if _kernels is None:
+        _kernels = False
+        try:
+            import triton
+
+            from .kernels.versions import is_tested
+            if is_tested(triton.__version__) or os.environ.get("FLASHPORT_ALLOW_UNTESTED_TRITON", "0") == "1":
+                from .kernels import contents as _kc
+                _kernels = _kc
+        except Exception:  # noqa: BLE001 - no (working) Triton in this process
+            _kernels = False
+    return _kernels or None
+
+
+_kernels = None
+
+
+def _flag(device, slot: int, bad: torch.Tensor) -> None:
+    f = flags(device)
+    f[slot:slot + 1].copy_(torch.maximum(f[slot:slot + 1], bad.any().to(torch.int32).reshape(1)))
+
+
+def clamp_varlen_torch(cu_q, cu_k, total_q: int, total_k: int, max_q: int, max_k: int):
+    """PyTorch twin of kernels.contents.clamp_varlen (no host sync; a few more launches)."""
+    out = []
+    for cu, total, max_len, slot, slot_max in ((cu_q, total_q, max_q, CU_Q, MAX_Q),
+                                               (cu_k, total_k, max_k, CU_K, MAX_K)):
+        c = cu.long()
+        lens = c[1:] - c[:-1]
+        _flag(cu.device, slot, (c < 0) | (c > total) | (c[:1] != 0) | torch.cat([c[:1] < 0, lens < 0]))
+        _flag(cu.device, slot_max, lens > max_len)
+        out.append(c.clamp(0, total).to(torch.int32))
+    return tuple(out)
+
+
+def clamp_kvcache_torch(cache_seqlens, s_new: int, capacity: int, block_table, num_blocks: int, page: int):
+    """PyTorch twin of kernels.contents.clamp_kvcache."""
+    ref = cache_seqlens if cache_seqlens is not None else block_table
+    seqlens = None
+    n_keys = torch.full((ref.shape[0],), capacity, dtype=torch.int64, device=ref.device)
+    if cache_seqlens is not None:
+        n = cache_seqlens.long() + s_new
+        _flag(ref.device, CACHE_SEQLENS, (n < s_new) | (n > capacity))
+        n_keys = n.clamp(0, capacity)
+        seqlens = n_keys.to(torch.int32)
+    table = None
+    if block_table is not None:
+        cols = torch.arange(block_table.shape[1], device=ref.device)
+        used = cols[None, :] < (n_keys[:, None] + page - 1) // page
+        _flag(ref.device, BLOCK_TABLE, used & ((block_table < 0) | (block_table >= num_blocks)))
+        table = block_table.clamp(0, num_blocks - 1)
+    return seqlens, table
+
+
 def guard(spec, inputs, cache_seqlens=None):
     """The call's index tensors made safe for the kernels (see flashport.kernels.contents): on a GPU without
     FLASHPORT_CHECKS=1, cu_seqlens, the valid key counts and block_table are replaced by clamped copies and
@@ -60,14 +120,16 @@ def guard(spec, inputs, cache_seqlens=None):
     from . import spec as spec_module
     if spec_module.content_checks_enabled(spec.device):   # always true for CPU tensors
         return inputs
-    from .kernels import contents as kc
+    kc = device_kernels()
+    clamp_varlen = kc.clamp_varlen if kc else clamp_varlen_torch
+    clamp_kvcache = kc.clamp_kvcache if kc else clamp_kvcache_torch
     if spec.kind == "varlen":
-        inputs.cu_seqlens_q, inputs.cu_seqlens_k = kc.clamp_varlen(
+        inputs.cu_seqlens_q, inputs.cu_seqlens_k = clamp_varlen(
             inputs.cu_seqlens_q, inputs.cu_seqlens_k, inputs.q.shape[0], inputs.k.shape[0], spec.seqlen_q,
             spec.seqlen_k)
     elif spec.kind == "kvcache" and (cache_seqlens is not None or spec.paged):
-        seqlens, table = kc.clamp_kvcache(cache_seqlens, spec.new_kv, spec.seqlen_k, inputs.block_table,
-                                          inputs.k.shape[0], spec.page_block_size)
+        seqlens, table = clamp_kvcache(cache_seqlens, spec.new_kv, spec.seqlen_k, inputs.block_table,
+                                       inputs.k.shape[0], spec.page_block_size)
         if seqlens is not None:
             inputs.seqlens_k = seqlens
         if table is not None:

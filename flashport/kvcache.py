@@ -2,10 +2,12 @@
 
 On a GPU the append is flashport.kernels.contents.append_kv: positions past the capacity and out-of-range
 block_table entries are skipped (and flagged by flashport.contents.guard), never written.  On a CPU the
-host checks of flashport.spec already ran, and PyTorch indexing does it."""
+host checks of flashport.spec already ran, and PyTorch indexing does it (also on a GPU without Triton)."""
 from __future__ import annotations
 
 import torch
+
+from .contents import device_kernels
 
 
 def cache_positions(cache_seqlens: torch.Tensor, s_new: int) -> torch.Tensor:
@@ -14,23 +16,28 @@ def cache_positions(cache_seqlens: torch.Tensor, s_new: int) -> torch.Tensor:
 
 
 def _slots(k_cache, block_table, cache_seqlens, s_new):
-    """Index tuple of the [B, S_new] cache slots the new tokens go to."""
+    """Index tuple of the [B, S_new] cache slots the new tokens go to, and which of them exist (a position
+    inside the capacity, through an in-range table entry; all of them once the host checks ran)."""
     pos = cache_positions(cache_seqlens, s_new)
+    b = cache_seqlens.shape[0]
     if block_table is None:
-        b = cache_seqlens.shape[0]
-        return torch.arange(b, device=pos.device)[:, None].expand(b, s_new), pos
+        ok = (pos >= 0) & (pos < k_cache.shape[1])
+        return (torch.arange(b, device=pos.device)[:, None].expand(b, s_new), pos), ok
     page = k_cache.shape[1]
-    return torch.gather(block_table.to(torch.int64), 1, pos // page), pos % page
+    ok = (pos >= 0) & (pos < block_table.shape[1] * page)
+    blocks = torch.gather(block_table.to(torch.int64), 1, torch.where(ok, pos, 0) // page)
+    ok = ok & (blocks >= 0) & (blocks < k_cache.shape[0])
+    return (blocks, pos % page), ok
 
 
-def _on_gpu(k) -> bool:
-    if not k.is_cuda:
-        return False
-    try:
-        from .kernels import contents  # noqa: F401
-    except ImportError:   # no Triton in this process
-        return False
-    return True
+def _torch_index(k_cache, block_table, cache_seqlens, s_new):
+    """(slots, rows of the new tokens that land) for the PyTorch append.  On a GPU without Triton (the
+    only GPU case that takes this path) bad contents are dropped here, which costs a host sync: the
+    device-side assert of an out-of-range index would kill the CUDA context."""
+    idx, ok = _slots(k_cache, block_table, cache_seqlens, s_new)
+    if not k_cache.is_cuda:
+        return idx, None          # the host checks of flashport.spec ran: every slot exists
+    return tuple(i[ok] for i in idx), ok
 
 
 def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None, save: bool = False):
@@ -38,13 +45,13 @@ def append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table=None, save: boo
     save: return the overwritten slots' previous contents (for `restore_kv`); else None."""
     if k is None or k.shape[1] == 0:
         return None
-    if _on_gpu(k):
-        from .kernels.contents import append_kv as append_on_device
-        return append_on_device(k_cache, v_cache, k, v, cache_seqlens, block_table, save=save)
-    idx = _slots(k_cache, block_table, cache_seqlens, k.shape[1])
+    kernels = device_kernels() if k.is_cuda else None
+    if kernels is not None:
+        return kernels.append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table, save=save)
+    idx, ok = _torch_index(k_cache, block_table, cache_seqlens, k.shape[1])
     saved = (k_cache[idx].clone(), v_cache[idx].clone()) if save else None
-    k_cache[idx] = k
-    v_cache[idx] = v
+    k_cache[idx] = k if ok is None else k[ok]
+    v_cache[idx] = v if ok is None else v[ok]
     return saved
 
 
@@ -52,11 +59,11 @@ def restore_kv(k_cache, v_cache, saved, cache_seqlens, block_table=None) -> None
     """Put back the slots `append_kv(..., save=True)` overwrote (a call that failed after its append)."""
     if saved is None:
         return
-    if _on_gpu(saved[0]):
-        from .kernels.contents import restore_kv as restore_on_device
-        restore_on_device(k_cache, v_cache, saved, cache_seqlens, block_table)
+    kernels = device_kernels() if saved[0].is_cuda else None
+    if kernels is not None:
+        kernels.restore_kv(k_cache, v_cache, saved, cache_seqlens, block_table)
         return
-    idx = _slots(k_cache, block_table, cache_seqlens, saved[0].shape[1])
+    idx, _ = _torch_index(k_cache, block_table, cache_seqlens, saved[0].shape[1])
     k_cache[idx] = saved[0]
     v_cache[idx] = saved[1]
 
