@@ -16,9 +16,9 @@ timeout $((T + 60)) python -m flashport.fuzz --n "$N" --seed "$SEED" --workers "
   --size full --max-seconds "$T" --log "$OUT/fuzz_h200.jsonl" > "$OUT/fuzz_h200.log" 2>&1 &
 fuzz=$!
 (
-  FLASHPORT_FUZZ_N=100 timeout 240 python -m pytest -q -p no:cacheprovider --durations=15 tests/gpu \
+  FLASHPORT_FUZZ_N=100 timeout "${GPU_TIER_SECONDS:-240}" python -m pytest -q -p no:cacheprovider --durations=15 tests/gpu \
     > "$OUT/gpu_tier.log" 2>&1; echo "gpu tier rc=$?" >> "$OUT/gpu_tier.log"
-  timeout 150 compute-sanitizer --tool memcheck --error-exitcode 9 python -m pytest -q -p no:cacheprovider \
+  timeout 120 compute-sanitizer --tool memcheck --error-exitcode 9 python -m pytest -q -p no:cacheprovider \
     tests/gpu/test_contents_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_triton_gpu.py::test_varlen_poisoned_padding \
     tests/gpu/test_triton_gpu.py::test_check_grid_gpu_cases -k "not graph" > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$?" >> "$OUT/memcheck.log"
