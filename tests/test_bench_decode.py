@@ -70,7 +70,7 @@ def test_graph_speedups_table_and_plot(tmp_path):
 
 
 def test_probe_reference_is_exact_attention():
-    path = pathlib.Path(__file__).resolve().parents[1] / "bench" / "gpu_decode_probe.py"
+    path = pathlib.Path(__file__).resolve().parents[1] / "tools" / "gpu" / "gpu_decode_probe.py"
     spec = importlib.util.spec_from_file_location("gpu_decode_probe", path)
     probe = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(probe)

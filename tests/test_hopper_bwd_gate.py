@@ -1,7 +1,7 @@
 """Which backward calls the Gluon Hopper backward (kernels/attn_bwd_hopper.py) accepts, checked without a
 GPU: anything the gate lets through that the kernel cannot handle would crash or compute garbage on an
 H100/H200, and deterministic=True must never reach it (its dQ is summed by reduce-adds in scheduling
-order).  The kernel itself is checked by tests/gpu/test_hopper_bwd_gpu.py and bench/gluon_bwd_probe.py."""
+order).  The kernel itself is checked by tests/gpu/test_hopper_bwd_gpu.py and tools/gpu/gluon_bwd_probe.py."""
 from __future__ import annotations
 
 import dataclasses
@@ -102,7 +102,7 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, bwd):
 
 def test_default_variants_compile_for_sm90a(tmp_path):
     """The kernel has no interpreter: this is its CPU-side check, compiled for sm_90a with Triton's bundled
-    ptxas (bench/gluon_bwd_probe.py --compile-only, in a subprocess because the interpreter tier sets
+    ptxas (tools/gpu/gluon_bwd_probe.py --compile-only, in a subprocess because the interpreter tier sets
     TRITON_INTERPRET in every test process): the library's variant for each head dim, bf16 / fp16, causal
     and not, MHA and GQA, whole tiles and ragged lengths all compile to
     HGMMA (no HMMA), TMA loads, TMA reduce-adds for dQ, setmaxnreg, registers within the
@@ -122,7 +122,7 @@ def test_default_variants_compile_for_sm90a(tmp_path):
     root = Path(__file__).resolve().parent.parent
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(root / "bench" / "gluon_bwd_probe.py"), "--compile-only",
+    proc = subprocess.run([sys.executable, str(root / "tools" / "gpu" / "gluon_bwd_probe.py"), "--compile-only",
                            "--library-default", "--out", str(out)], env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -2,7 +2,7 @@
 gate runs on every forward, and anything it lets through that the kernel cannot handle would crash or
 compute garbage on an H100/H200 (the kernel itself is checked by tests/gpu/test_hopper_fwd_gpu.py and,
 compiled for sm_90a, by tests/test_sm90_codegen.py).  Also the per-head-dim tables (tiles, length
-floors) and the floor suggestion of bench/hopper_fwd_ab.py that those floors are read from."""
+floors) and the floor suggestion of tools/gpu/hopper_fwd_ab.py that those floors are read from."""
 from __future__ import annotations
 
 import dataclasses
@@ -140,7 +140,7 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, d, on_h
 
 
 def _ab():
-    spec = importlib.util.spec_from_file_location("hopper_fwd_ab", ROOT / "bench" / "hopper_fwd_ab.py")
+    spec = importlib.util.spec_from_file_location("hopper_fwd_ab", ROOT / "tools" / "gpu" / "hopper_fwd_ab.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod

@@ -1,4 +1,4 @@
-"""The kernels as the H100/H200 get them, checked on a machine without a GPU: bench/compile_report.py
+"""The kernels as the H100/H200 get them, checked on a machine without a GPU: tools/gpu/compile_report.py
 compiles them for sm_90a with Triton's bundled ptxas and reads the SASS.  Catches a change that makes a
 tuned kernel spill registers, fall back from Hopper's HGMMA to HMMA, or lose its 16-byte loads.
 
@@ -24,7 +24,7 @@ CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuob
 def test_tuned_kernels_use_hgmma_without_spills(tmp_path, d, gqa):
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_report.py"), "--d", str(d), "--causal",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "compile_report.py"), "--d", str(d), "--causal",
                            "--gqa", str(gqa), "--json", str(out)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert proc.returncode == 0, proc.stderr[-2000:]
@@ -45,7 +45,7 @@ def test_hopper_forward_compiles_to_hgmma_and_tma_without_spills(tmp_path):
     pytest.importorskip("triton.experimental.gluon")
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    proc = subprocess.run([sys.executable, str(ROOT / "bench" / "compile_report.py"), "--d", "--hopper-fwd",
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "compile_report.py"), "--d", "--hopper-fwd",
                            "--hopper-dtype", "bf16", "--gqa", "2", "--json", str(out)], env=env, capture_output=True,
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]

@@ -297,7 +297,7 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     # GQA: each program writes float32 partial dK, dV for its query head, summed per group below in a
     # fixed order.  (Looping over the group inside one program instead kept K, V, dK, dV and the loop
     # state live across an outer loop: on sm_90a that spilled 256 bytes per thread at D = 128,
-    # bench/compile_report.py --gqa 4.)  Costs 2 x (Hq / Hkv) float32 copies of dK / dV.
+    # tools/gpu/compile_report.py --gqa 4.)  Costs 2 x (Hq / Hkv) float32 copies of dK / dV.
     expand = spec.group_size > 1
     dk_out, dv_out = dk, dv
     if expand:
@@ -345,5 +345,5 @@ def _preprocess(spec, out, do, delta, l_strides, cu_q, dq_accum) -> None:
     grid = (cdiv(spec.seqlen_q, block_m), spec.heads_q, spec.batch)
     if out.is_cuda:
         _preprocess_launch(grid, args, meta)
-    else:   # Triton's interpreter (CPU tensors), or bench/compile_report.py compiling without a GPU
+    else:   # Triton's interpreter (CPU tensors), or tools/gpu/compile_report.py compiling without a GPU
         _bwd_preprocess[grid](*args, **meta)

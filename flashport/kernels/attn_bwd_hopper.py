@@ -426,7 +426,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     when given (contiguous, q's / k's / v's dtype).  None when the kernel fails to compile here (the
     caller then runs the Triton kernels).  `out` is unused (Delta carries it).  variant: a VARIANTS key
     (default: DEFAULT[D]).  warmup=True compiles without launching and returns the compiled kernel
-    (bench/gluon_bwd_probe.py).  dq_accum: the float32 [B, Sq, Hq, D] buffer dQ is added into, already zeroed
+    (tools/gpu/gluon_bwd_probe.py).  dq_accum: the float32 [B, Sq, Hq, D] buffer dQ is added into, already zeroed
     (attn_bwd's preprocess does it in the launch that computes Delta); default: a fresh torch.zeros."""
     b, sq, hq, d = q.shape
     tiles = VARIANTS[variant or DEFAULT[d]]

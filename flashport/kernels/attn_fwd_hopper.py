@@ -16,7 +16,7 @@ itself.  One program per (128-row Q tile, query head, batch entry), three warp r
 
 Head dims 64, 128 and 256 (q/k and v alike) share this one kernel; TILES picks BLOCK_N (keys per
 tile) and the ring depth per head dim to fit sm_90's 227 KiB of shared memory and the consumers'
-registers without spilling (bench/compile_report.py --hopper-fwd checks both for sm_90a).  Causal:
+registers without spilling (tools/gpu/compile_report.py --hopper-fwd checks both for sm_90a).  Causal:
 BLOCK_N divides the 128-row Q tile, and a consumer's 64 rows meet the diagonal in exactly one key
 tile (its last, masked); a key tile that lies wholly above a warpgroup's rows (BLOCK_N = 64: the
 program's last tile, for the first warpgroup) is not computed, only released to the producer.
@@ -25,9 +25,9 @@ Online softmax in the log2 domain with the scale folded into one FMA (as kernels
 kernel serves a deliberately small, common subset (`reasons` says what falls outside it, including
 sequences too short to gain: MIN_KEYS / MIN_KEYS_CAUSAL per head dim); every other call runs the
 Triton kernel.  FLASHPORT_HOPPER_FWD=0 switches it off (rollback without a release).  Measured on an
-H200 (bench/gluon_fwd_probe.py, results/gluon_fwd_probe_h200_run{2,3}.json: the D=128 schedule,
+H200 (tools/gpu/gluon_fwd_probe.py, results/gluon_fwd_probe_h200_run{2,3}.json: the D=128 schedule,
 `gluon_n128_s3_ov`): 606-635 TFLOP/s at D=128, non-causal, against 477-500 for the Triton forward and
-599-609 for SDPA-cuDNN in the same runs.  bench/hopper_fwd_ab.py is the same-run A/B (Gluon vs
+599-609 for SDPA-cuDNN in the same runs.  tools/gpu/hopper_fwd_ab.py is the same-run A/B (Gluon vs
 Triton vs cuDNN per head dim, length and mask) that the length floors are read from.
 
 Equivalent PyTorch math: kernels/attn_fwd.py's (no softcap, ALiBi, dropout or window; causal with
@@ -77,7 +77,7 @@ TILES = {
 }
 assert all(TILE % t.block_n == 0 and t.block_n % BLOCK_M == 0 for t in TILES.values())
 # Shortest sequences served, per head dim (non-causal / causal), read off the same-run A/B of the standard
-# set (bench/hopper_fwd_ab.py --suggest; results/hopper_fwd_ab_h200.json, H200, kernels replayed from CUDA
+# set (tools/gpu/hopper_fwd_ab.py --suggest; results/hopper_fwd_ab_h200.json, H200, kernels replayed from CUDA
 # graphs so host time does not blur short cells).  D=128 and 256: the Gluon kernel is 1.09-1.42x the Triton
 # kernel at every length from 512 (S=512 D=128: 436 vs 354 TF/s full, 270 vs 247 causal; D=256 S=512: 520 vs
 # 374).  D=64: the Triton kernel is faster up to 8192 keys (0.81-1.00x; a 64-wide head leaves the softmax,
@@ -122,7 +122,7 @@ def feature_reasons(spec) -> list[str]:
 def reasons(spec, q, k, v, length_floor: bool = True) -> list[str]:
     """Why this kernel cannot serve the call (empty: it can).  Runs on every forward, so the cheapest
     checks come first and the first failing one is the answer.  length_floor=False leaves out the
-    speed choice (MIN_KEYS / MIN_KEYS_CAUSAL) and keeps what the kernel needs (bench/hopper_fwd_ab.py)."""
+    speed choice (MIN_KEYS / MIN_KEYS_CAUSAL) and keeps what the kernel needs (tools/gpu/hopper_fwd_ab.py)."""
     d = spec.head_dim
     if d not in TILES or spec.head_dim_v != d:
         return [f"head dim {' / '.join(map(str, TILES))} only (q/k and v alike)"]
@@ -387,7 +387,7 @@ def forward(spec, q, k, v, warmup: bool = False):
     """q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D], D in TILES (a call `reasons` accepts; the length floor
     aside, which is a speed choice) -> (out, lse, lse2), or None when the kernel fails to compile here
     (the caller then runs the Triton kernel).  warmup=True compiles without launching and returns the
-    compiled kernel (bench/compile_report.py)."""
+    compiled kernel (tools/gpu/compile_report.py)."""
     b, sq, hq, d = q.shape
     tiles = TILES[d]
     out = torch.empty_like(q)

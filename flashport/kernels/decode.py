@@ -155,7 +155,7 @@ def _kvcache_split_kernel(
 
 # ----------------------------------------------------------------------------- host side
 # Page lookups once per BLOCK_N tile (instead of once per key) wherever BLOCK_N divides the page size.
-# A switch only so that bench/gpu_decode_probe.py can time both forms of the kernel.
+# A switch only so that tools/gpu/gpu_decode_probe.py can time both forms of the kernel.
 TILE_PAGE_LOOKUP = True
 # Programmatic dependent launch of the merge (sm_90+): its launch overlaps the split kernel's last
 # programs instead of following them.  Graph replay, H200, 1 x 32768 (results/decode_probe_h200_s3b.json):
@@ -279,7 +279,7 @@ def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: i
     inputs.k / inputs.v: dense [B, capacity, Hkv, D|Dv] or paged [num_blocks, page, Hkv, D|Dv] with
     inputs.block_table int32 [B, max_blocks]; inputs.seqlens_k int32 [B] valid lengths (None = the
     whole capacity).  num_splits / block_m / block_n / num_stages / num_warps override the heuristics (tests and
-    bench/gpu_decode_probe.py use them).  Never synchronises with the host."""
+    tools/gpu/gpu_decode_probe.py use them).  Never synchronises with the host."""
     q, k_cache, v_cache = inputs.q, inputs.k, inputs.v
     bsz, sq, hq, _ = q.shape
     out = torch.empty(bsz, sq, hq, spec.head_dim_v, dtype=q.dtype, device=q.device)

@@ -2,7 +2,7 @@
 training shape, nothing else of note on the GPU.
 
     PYTHONPATH=. ncu --clock-control none -k regex:_attn_bwd_hopper --launch-skip 2 --launch-count 1 \\
-        --section SpeedOfLight --section WarpStateStats python3 bench/ncu_bwd_target.py --variant s2_tma_lse --causal
+        --section SpeedOfLight --section WarpStateStats python3 tools/gpu/ncu_bwd_target.py --variant s2_tma_lse --causal
 
 (--launch-skip 2 skips the compile-time warm-up launch and one cold launch.)
 """
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from gluon_bwd_probe import _spec  # noqa: E402

@@ -3,9 +3,9 @@ what the compiler made of them: registers, spills (local memory), shared memory,
 instructions that matter (HGMMA = Hopper tensor-core MMA; HMMA = the older, slower path;
 LDL/STL = spill traffic; REDG/ATOMG = global atomics).
 
-    python bench/compile_report.py                      # default configs, D in {64, 128, 256}
-    python bench/compile_report.py --d 128 --json out.json
-    python bench/compile_report.py --d --hopper-fwd     # only the Gluon Hopper forward, D in {64, 128, 256}
+    python tools/gpu/compile_report.py                      # default configs, D in {64, 128, 256}
+    python tools/gpu/compile_report.py --d 128 --json out.json
+    python tools/gpu/compile_report.py --d --hopper-fwd     # only the Gluon Hopper forward, D in {64, 128, 256}
 
 How: Triton compiles ahead of time through `JITFunction.warmup`; a stand-in driver names the target
 (GPUTarget("cuda", 90, 32)), and kernel launches are turned into warmups, so the real host launchers
@@ -33,7 +33,7 @@ from triton.backends.compiler import GPUTarget
 from triton.runtime import driver
 from triton.runtime.jit import JITFunction
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 CUOBJDUMP = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
 SASS_OPS = ("HGMMA", "HMMA", "LDL", "STL", "REDG", "ATOMG", "MUFU", "LDGSTS", "UTMALDG", "BAR")

@@ -1,6 +1,6 @@
 """Where the host time of one eager flashport call goes (Python, validation, dispatch, launches).
 
-    PYTHONPATH=. python3 bench/host_profile.py [--calls 300] [--top 25]
+    PYTHONPATH=. python3 tools/gpu/host_profile.py [--calls 300] [--top 25]
 
 Decode at batch 1 takes tens of microseconds on the GPU, so an eager call is bound by its host path:
 this profiles `attention_with_kvcache` (1 x 32768 tokens, 32 / 8 heads, D = 128, bf16, dense and
@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import flashport  # noqa: E402
 from flashport.bench.timing import gpu_graph_ms  # noqa: E402

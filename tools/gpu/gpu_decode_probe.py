@@ -1,6 +1,6 @@
 """Decode probe for one GPU run: where the KV-cache kernel loses bandwidth at small batch.
 
-    PYTHONPATH=. python3 bench/gpu_decode_probe.py --out $OUT/decode_probe.json
+    PYTHONPATH=. python3 tools/gpu/gpu_decode_probe.py --out $OUT/decode_probe.json
 
 For the decode suite's shapes (batch x kv length in 1x32768, 16x8192, 64x4096, 128x2048; 32 q /
 8 kv heads, D=128, bf16) and each cache layout (dense, page 16, page 256):

@@ -4,8 +4,8 @@ The record of the experiment behind docs/PERFLOG.md row 15: it keeps the whole v
 on / with a block boundary, BLOCK_N, stages).  The winner, gluon_n128_s3_ov, lives on with causal masking,
 GQA and lse2 in flashport/kernels/attn_fwd_hopper.py, so the two share their kernel skeleton on purpose.
 
-    PYTHONPATH=. python3 bench/gluon_fwd_probe.py --out $OUT/gluon_fwd.json   # H200: check + time
-    python3 bench/gluon_fwd_probe.py --compile-only                          # no GPU: sm_90a compile report
+    PYTHONPATH=. python3 tools/gpu/gluon_fwd_probe.py --out $OUT/gluon_fwd.json   # H200: check + time
+    python3 tools/gpu/gluon_fwd_probe.py --compile-only                          # no GPU: sm_90a compile report
 
 The kernel (non-causal, bf16, D=128, q/k/v/o [B, S, H, D] contiguous, S % 128 == 0) follows FlashAttention-3:
   * warp specialization: the default partition (4 warps) is the producer, it issues TMA loads of the Q tile once
@@ -41,7 +41,7 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
     fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait)
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 from flashport.kernels.attn_fwd_hopper import _descriptor  # noqa: E402
 
 LOG2E = 1.4426950408889634

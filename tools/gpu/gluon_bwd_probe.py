@@ -1,8 +1,8 @@
 """Probe for the Gluon Hopper attention backward (flashport/kernels/attn_bwd_hopper.py): compile report on a
 machine without a GPU, correctness and speed on an H100/H200.
 
-    python bench/gluon_bwd_probe.py --compile-only [--out r.json]  # no GPU: sm_90a registers/spills/SASS
-    PYTHONPATH=. python bench/gluon_bwd_probe.py --out $OUT/gluon_bwd.json   # H200: check + time (< 5 min)
+    python tools/gpu/gluon_bwd_probe.py --compile-only [--out r.json]  # no GPU: sm_90a registers/spills/SASS
+    PYTHONPATH=. python tools/gpu/gluon_bwd_probe.py --out $OUT/gluon_bwd.json   # H200: check + time (< 5 min)
 
 Every variant runs at each head dim it declares (attn_bwd_hopper.Tiles.head_dims); --library-default
 keeps the library's variant per head dim (attn_bwd_hopper.DEFAULT), --head-dims a subset of head dims.
@@ -36,9 +36,9 @@ from unittest import mock
 import torch
 import triton
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "bench"))
+sys.path.insert(0, str(ROOT / "tools" / "gpu"))
 
 SMEM_LIMIT = 232448    # sm_90's opt-in shared memory per block (227 KiB)
 

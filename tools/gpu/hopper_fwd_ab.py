@@ -12,8 +12,8 @@ no Python or launcher time; eager do_bench with --timer bench).  Per cell it als
 output and lse against the Triton kernel's (max abs diff) and the output against cuDNN's.  A variant
 that fails is recorded with its error and the run goes on; the JSON is rewritten after every cell.
 
-    PYTHONPATH=. python bench/hopper_fwd_ab.py --out $OUT/hopper_fwd_ab.json --suggest      # H200, < 3 min
-    python bench/hopper_fwd_ab.py --from results/hopper_fwd_ab_h200.json --suggest          # no GPU: re-read
+    PYTHONPATH=. python tools/gpu/hopper_fwd_ab.py --out $OUT/hopper_fwd_ab.json --suggest      # H200, < 3 min
+    python tools/gpu/hopper_fwd_ab.py --from results/hopper_fwd_ab_h200.json --suggest          # no GPU: re-read
 
 --suggest prints, per (D, causal), the smallest S from which Gluon beats Triton in that cell and every
 longer one: the MIN_KEYS / MIN_KEYS_CAUSAL tables of attn_fwd_hopper.  TFLOP/s = 4*B*H*S^2*D / time,
@@ -32,7 +32,7 @@ from unittest import mock
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 from flashport.bench import peers, shapes  # noqa: E402
 from flashport.bench.timing import gpu_graph_ms, gpu_ms  # noqa: E402

@@ -5,9 +5,9 @@
 #   memcheck.log           compute-sanitizer memcheck over the KV-cache, paged, varlen and bad-content tests,
 #   memcheck_negative.log  the same bad call with the guard switched off (must report errors), and last
 #   guard_cost.json        what the content guard costs a decode step (alone on the GPU).
-# Usage: OUT=... FUZZ_N=6000 FUZZ_SECONDS=420 bash bench/gpu_issue5.sh
+# Usage: OUT=... FUZZ_N=6000 FUZZ_SECONDS=420 bash tools/gpu/gpu_issue5.sh
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/flashport_out}; mkdir -p "$OUT"
 N=${FUZZ_N:-6000}; T=${FUZZ_SECONDS:-420}; SEED=${FUZZ_SEED:-20261204}
@@ -22,12 +22,12 @@ fuzz=$!
     tests/gpu/test_contents_gpu.py tests/gpu/test_decode_gpu.py tests/gpu/test_triton_gpu.py::test_varlen_poisoned_padding \
     tests/gpu/test_triton_gpu.py::test_check_grid_gpu_cases -k "not graph" > "$OUT/memcheck.log" 2>&1
   echo "memcheck rc=$?" >> "$OUT/memcheck.log"
-  timeout 45 compute-sanitizer --tool memcheck python bench/memcheck_negative.py > "$OUT/memcheck_negative.log" 2>&1
+  timeout 45 compute-sanitizer --tool memcheck python tools/gpu/memcheck_negative.py > "$OUT/memcheck_negative.log" 2>&1
   echo "negative control rc=$?" >> "$OUT/memcheck_negative.log"
 ) &
 side=$!
 wait $fuzz; echo "fuzz rc=$?" | tee -a "$OUT/fuzz_h200.log"
 wait $side
-OUT=$OUT timeout 60 python bench/guard_cost.py > "$OUT/guard_cost.log" 2>&1; echo "guard cost rc=$?"
+OUT=$OUT timeout 60 python tools/gpu/guard_cost.py > "$OUT/guard_cost.log" 2>&1; echo "guard cost rc=$?"
 tail -n 40 "$OUT/fuzz_h200.log"; grep -E "passed|failed|rc=" "$OUT/gpu_tier.log" | tail -3
 grep -E "ERROR SUMMARY|rc=" "$OUT/memcheck.log" "$OUT/memcheck_negative.log"; cat "$OUT/guard_cost.log"

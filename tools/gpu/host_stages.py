@@ -1,7 +1,7 @@
 """Host time of an eager Gluon forward, stage by stage, next to SDPA's (which peer runs in C++).
 
-    PYTHONPATH=. python3 bench/host_stages.py [--d 256] [--out stages.json]
-    PYTHONPATH=. python3 bench/host_stages.py --backward [--profile DIR]   # where the autograd backward's time goes
+    PYTHONPATH=. python3 tools/gpu/host_stages.py [--d 256] [--out stages.json]
+    PYTHONPATH=. python3 tools/gpu/host_stages.py --backward [--profile DIR]   # where the autograd backward's time goes
 
 `flashport bench` times eager calls with `do_bench`, whose L2 flush (~85 us on an H200) hides host time only
 up to that much: a short cell whose call costs more host time than that reads slow however fast the kernel
@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 import flashport  # noqa: E402
 

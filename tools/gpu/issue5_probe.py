@@ -3,7 +3,7 @@ causal window): error / bound per quantity for the default path and for every fo
 Writes JSON lines to $OUT/issue5_probe.jsonl."""
 import json, os, sys, time, itertools
 import torch
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "tests"))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "..", "tests"))
 import flashport
 from flashport.kernels import attn_fwd, attn_bwd, tuning
 from flashport.spec import dense_spec
