@@ -80,16 +80,9 @@ class Tiles(NamedTuple):
     head_dims: tuple = (64, 128)   # where it fits: shared memory (sm_90's 227 KiB) and no spills (compile report)
 
 
-# Variants: the ring's depth and the number of dQ_j buffers.  The schedule itself is the fastest of the probe's
-# H200 runs at D=128 (results/gluon_bwd_probe_h200*.json, PERFLOG rows 19-22): dQ added by the consumers with
-# REDG.ADD (406-413 TF/s at S=16384) or by the producer warps with REDG.ADD lost to the TMA reduce-adds
-# (+14-17%); lse2 / Delta loaded by each consumer (a global load and a layout conversion through shared memory,
-# and bf16 spills in the loop) lost to the producer staging them in shared memory, read before the first matmul
-# of a step: s2_tma2_lse read 455-514 TF/s, the best sum over the five cells (2431 vs 2334 for one buffer).  The
-# losing schedules are in the git history (commit 0ea1fe0 and before).
-# At D=64 (results/gluon_bwd_probe_h200_s6a.json, H200, four shapes of the standard set's heads) one dQ buffer
-# read 314-394 TF/s, two 304-378 and a 3-deep ring 310-385: the kernel leaves shared memory idle there, and
-# the extra buffer or stage did not pay (PERFLOG row 25).
+# Variants: the ring's depth and the number of dQ_j buffers.  The schedule (dQ by the producer's TMA reduce-adds,
+# lse2 / Delta staged by it) is the one that won the probe's D=128 runs (PERFLOG rows 19-22); DEFAULT is the
+# fastest variant per head dim (rows 22 and 25).
 VARIANTS = {"s2_tma_lse": Tiles(2, 1), "s2_tma2_lse": Tiles(2, 2),
             "s3_tma2_lse": Tiles(3, 2, (64,))}   # D=128: 258 KiB of shared memory
 DEFAULT = {128: "s2_tma2_lse", 64: "s2_tma_lse"}   # per head dim (the served ones)

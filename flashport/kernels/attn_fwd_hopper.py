@@ -24,11 +24,9 @@ program's last tile, for the first warpgroup) is not computed, only released to 
 Online softmax in the log2 domain with the scale folded into one FMA (as kernels/attn_fwd.py).  The
 kernel serves a deliberately small, common subset (`reasons` says what falls outside it, including
 sequences too short to gain: MIN_KEYS / MIN_KEYS_CAUSAL per head dim); every other call runs the
-Triton kernel.  FLASHPORT_HOPPER_FWD=0 switches it off (rollback without a release).  Measured on an
-H200 (tools/gpu/gluon_fwd_probe.py, results/gluon_fwd_probe_h200_run{2,3}.json: the D=128 schedule,
-`gluon_n128_s3_ov`): 606-635 TFLOP/s at D=128, non-causal, against 477-500 for the Triton forward and
-599-609 for SDPA-cuDNN in the same runs.  tools/gpu/hopper_fwd_ab.py is the same-run A/B (Gluon vs
-Triton vs cuDNN per head dim, length and mask) that the length floors are read from.
+Triton kernel.  FLASHPORT_HOPPER_FWD=0 switches it off (rollback without a release).  This schedule
+is the fastest of tools/gpu/gluon_fwd_probe.py's variants (docs/PERFLOG.md row 15); the length floors
+come from tools/gpu/hopper_fwd_ab.py's same-run A/B (row 18).
 
 Equivalent PyTorch math: kernels/attn_fwd.py's (no softcap, ALiBi, dropout or window; causal with
 Sq == Sk).  Outputs: out [B, Sq, Hq, D], lse [B, Hq, Sq] (natural log) and lse2 = lse / ln 2 (what the
@@ -76,13 +74,8 @@ TILES = {
     256: Tiles(64, 2, 240, True),
 }
 assert all(TILE % t.block_n == 0 and t.block_n % BLOCK_M == 0 for t in TILES.values())
-# Shortest sequences served, per head dim (non-causal / causal), read off the same-run A/B of the standard
-# set (tools/gpu/hopper_fwd_ab.py --suggest; results/hopper_fwd_ab_h200.json, H200, kernels replayed from CUDA
-# graphs so host time does not blur short cells).  D=128 and 256: the Gluon kernel is 1.09-1.42x the Triton
-# kernel at every length from 512 (S=512 D=128: 436 vs 354 TF/s full, 270 vs 247 causal; D=256 S=512: 520 vs
-# 374).  D=64: the Triton kernel is faster up to 8192 keys (0.81-1.00x; a 64-wide head leaves the softmax,
-# not the matmuls, as the bottleneck) and the Gluon one only just ahead at 16384 (1.04x / 1.01x).
-# Sq is held to the same floor: short-Sq / long-Sk shapes (few programs) were not measured.
+# Shortest sequences served, per head dim (non-causal / causal): from there on the Gluon kernel beat the Triton
+# one in the same-run A/B (tools/gpu/hopper_fwd_ab.py --suggest; PERFLOG row 18).  Sq is held to the same floor.
 MIN_KEYS = {64: 16384, 128: 512, 256: 512}
 MIN_KEYS_CAUSAL = {64: 16384, 128: 512, 256: 512}
 MAX_GRID_Y = 65535      # CUDA's limit on the grid's second dimension (here batch * heads)

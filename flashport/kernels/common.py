@@ -37,8 +37,8 @@ LN2_K = tl.constexpr(0.6931471805599453)
 
 def device_guard(device: torch.device):
     """The context that makes `device` current for a launch: torch.cuda.device(device), unless it is already
-    current or not CUDA.  Entering that context costs 5-7 us of host time per call
-    (results/host_stages_h200_s6.json), and most calls are on the current device already."""
+    current or not CUDA.  Entering that context costs host time on every call (PERFLOG row 26), and most
+    calls are on the current device already."""
     if device.type != "cuda" or device.index is None or device.index == torch.cuda.current_device():
         return contextlib.nullcontext()
     return torch.cuda.device(device)

@@ -158,9 +158,7 @@ def _kvcache_split_kernel(
 # A switch only so that tools/gpu/gpu_decode_probe.py can time both forms of the kernel.
 TILE_PAGE_LOOKUP = True
 # Programmatic dependent launch of the merge (sm_90+): its launch overlaps the split kernel's last
-# programs instead of following them.  Graph replay, H200, 1 x 32768 (results/decode_probe_h200_s3b.json):
-# 0.3-0.7 us faster at 16-48 splits for every layout, mixed at 64 (page 256 0.6 us faster, dense 0.7 and
-# page 16 2.6 us slower), so only up to PDL_MAX_SPLITS.
+# programs instead of following them; only up to PDL_MAX_SPLITS, where it measured faster (PERFLOG row 12).
 PDL = True
 PDL_MAX_SPLITS = 48
 

@@ -18,12 +18,9 @@ import torch
 
 MAX_SPLITS = 128
 INTERPRETER_SMS = 2          # a tiny "GPU" so the interpreter tests exercise splitting
-# Programs per SM we aim for, by cache layout, from graph-replay timings on an H200
-# (results/decode_probe_h200.json, 32/8 heads, D = 128).  A paged program waits on a block-table load
-# before each K/V tile, so several must be in flight per SM: at 16 x 8192, page 16 reads at 87% with
-# 4 splits (4 waves) and 43% with 1.  A dense program streams contiguous rows and keeps enough loads in
-# flight by itself: 1 split reads at 91%, 2 at 93%, 4 (4 waves) at 82%, and at 1 x 32768 one wave of
-# splits (16) beats 57 splits by 1.5x; extra programs only add merge work and tail.
+# Waves of programs we aim for, by cache layout: a paged program waits on a block-table load before each K/V
+# tile, so several must be in flight per SM; a dense one keeps enough loads in flight by itself, and extra
+# programs only add merge work and tail (graph-replay sweep, PERFLOG rows 4 and 9).
 WAVES = 4           # paged caches
 WAVES_DENSE = 1
 MIN_TILES_PER_SPLIT = 2      # on a GPU each split streams at least this many BLOCK_N tiles
@@ -117,9 +114,8 @@ def choose_num_splits(programs: int, n_tiles: int, sms: int, min_tiles: int | No
     capacity.  With >= 80% of the WAVES * sms slots already busy, splitting only adds the merge.
     Otherwise pick the smallest split count whose wave efficiency (waves / ceil(waves)) is within
     95% of the best, skipping counts that do not change the tiles per split.  (FlashAttention uses
-    85%; at 1 x 32768 on an H200 that picks 14 splits = 112 programs for 132 SMs, 5% slower than 16:
-    results/decode_probe_h200_s3a.json.)  waves / min_tiles = None read WAVES / MIN_TILES_PER_SPLIT
-    at call time (so a retune takes effect at once)."""
+    85%, which picked a slower count at 1 x 32768: PERFLOG row 12.)  waves / min_tiles = None read
+    WAVES / MIN_TILES_PER_SPLIT at call time (so a retune takes effect at once)."""
     return _num_splits(programs, n_tiles, sms, MIN_TILES_PER_SPLIT if min_tiles is None else min_tiles,
                        max_splits, WAVES if waves is None else waves)
 
