@@ -10,6 +10,7 @@ the host, so they run only when the environment variable FLASHPORT_CHECKS=1 is s
 """
 from __future__ import annotations
 
+import functools
 import math
 import os
 from dataclasses import dataclass, field
@@ -18,6 +19,7 @@ from typing import Optional
 
 import torch
 
+from .masks import Visibility
 from .overlap import overlaps
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -66,6 +68,12 @@ class AttnSpec:
     def is_local(self) -> bool:
         """True when the window bounds keys on the left or on the right (causal included)."""
         return self.window_left >= 0 or self.window_right >= 0
+
+    @functools.cached_property
+    def visibility(self) -> Visibility:
+        """The call's visibility rule (flashport.masks.Visibility: its kind, bounds and tile ranges), built
+        once per spec: the host paths that branch on it run on every call."""
+        return Visibility.from_spec(self)
 
 
 @dataclass

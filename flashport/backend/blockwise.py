@@ -10,7 +10,7 @@ Forward (per query tile of BLOCK_M rows, looping over key tiles of BLOCK_N colum
 Backward recomputes each score tile from the saved LSE (p = exp(s - lse)), with
 D_i = rowsum(dO * O) and dS = P * (dP - D), so only q, k, v, out, lse (and the dropout
 rng_state) are kept between the passes: memory is O(S * D), never O(S^2).  Tiles the mask hides
-entirely are skipped (masks.key_range / query_range).
+entirely are skipped (masks.Visibility's key_range / query_range).
 
 GQA/MQA never expands K/V: query heads are viewed as [Hkv, G] and the G query heads of one KV
 head are stacked into the rows of one matmul against that head's keys, so dK/dV sum over the
@@ -29,7 +29,7 @@ import torch
 
 from .. import dispatch
 from ..dropout import dense_keep_mask, keep_mask
-from ..masks import alibi_bias, key_range, query_range, visible
+from ..masks import Visibility, alibi_bias
 from ..spec import AttnInputs, AttnSpec
 
 # Tile sizes.  Module attributes (read at each call) so tests can shrink them to exercise
@@ -98,16 +98,7 @@ def _rows(x: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
     return x[:, :, :, m0:m1].reshape(b, hkv, g * (m1 - m0), *x.shape[4:])
 
 
-def _fully_visible(m0: int, m1: int, n0: int, n1: int, sq: int, sk: int, left: int, right: int) -> bool:
-    """True when every (i, j) in the tile is visible, so the tile needs no mask."""
-    if left >= 0 and n0 < (m1 - 1) + sk - sq - left:
-        return False
-    if right >= 0 and n1 - 1 > m0 + sk - sq + right:
-        return False
-    return True
-
-
-def _scores(q_t, k_t, m0, m1, n0, n1, sq, sk, opt: _Tiling, slopes):
+def _scores(q_t, k_t, m0, m1, n0, n1, vis: Visibility, opt: _Tiling, slopes):
     """Final scores of one tile, [B, Hkv, G * BM, BN], hidden pairs at -inf; also tanh(raw / softcap)
     (for the softcap gradient) or None.  slopes: [B, Hkv, G, 1, 1] ALiBi slopes in the compute
     dtype, or None.  The scale multiplies the product (not q beforehand) so rounding matches the
@@ -117,7 +108,7 @@ def _scores(q_t, k_t, m0, m1, n0, n1, sq, sk, opt: _Tiling, slopes):
     if opt.softcap > 0:
         t = torch.tanh(s.div_(opt.softcap))
         s = opt.softcap * t
-    needs_mask = not _fully_visible(m0, m1, n0, n1, sq, sk, opt.left, opt.right)
+    needs_mask = not vis.tile_is_full(m0, m1, n0, n1)
     if slopes is None and not needs_mask:
         return s, t
     b, hkv, rows, bn = s.shape
@@ -125,9 +116,9 @@ def _scores(q_t, k_t, m0, m1, n0, n1, sq, sk, opt: _Tiling, slopes):
     i = torch.arange(m0, m1, device=s.device)[:, None]
     j = torch.arange(n0, n1, device=s.device)[None, :]
     if slopes is not None:
-        s5 += alibi_bias(slopes, i, j, sq, sk).to(s.dtype)
+        s5 += alibi_bias(slopes, i, j, vis.sq, vis.sk).to(s.dtype)
     if needs_mask:
-        s5.masked_fill_(~visible(i, j, sq, sk, opt.left, opt.right), _NEG_INF)
+        s5.masked_fill_(~vis.sees(i, j), _NEG_INF)
     return s, t
 
 
@@ -165,9 +156,10 @@ def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b
     out = torch.zeros(b, hkv, g, sq, dv, dtype=cd, device=q.device)
     lse = torch.full((b, hkv, g, sq), _NEG_INF, dtype=cd, device=q.device)
     block_m, block_n = _fit(opt, b * hq)
+    vis = Visibility(sq, sk, opt.left, opt.right)
     for m0 in range(0, sq, block_m):
         m1 = min(m0 + block_m, sq)
-        lo, hi = key_range(m0, m1, sq, sk, opt.left, opt.right)
+        lo, hi = vis.key_range(m0, m1)
         if lo >= hi:
             continue  # every row of this tile sees no key: zeros, lse -inf
         q_t = _rows(qh, m0, m1)
@@ -176,7 +168,7 @@ def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b
         acc = torch.zeros(*q_t.shape[:3], dv, dtype=cd, device=q.device)
         for n0 in range(lo, hi, block_n):
             n1 = min(n0 + block_n, hi)
-            s, _ = _scores(q_t, kh[:, :, n0:n1], m0, m1, n0, n1, sq, sk, opt, slopes)
+            s, _ = _scores(q_t, kh[:, :, n0:n1], m0, m1, n0, n1, vis, opt, slopes)
             m_new = torch.maximum(m_i, s.amax(-1))
             # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
             # exp(-inf - m) = 0 rather than NaN.
@@ -225,14 +217,15 @@ def backward_tiles(do, q, k, v, out, lse, dlse, opt: _Tiling, alibi: Optional[to
     dk = torch.zeros(b, hkv, sk, d, dtype=cd, device=q.device)
     dvh = torch.zeros(b, hkv, sk, dv, dtype=cd, device=q.device)
     block_m, block_n = _fit(opt, b * hq)
+    vis = Visibility(sq, sk, opt.left, opt.right)
     for n0 in range(0, sk, block_n):
         n1 = min(n0 + block_n, sk)
-        lo, hi = query_range(n0, n1, sq, sk, opt.left, opt.right)
+        lo, hi = vis.query_range(n0, n1)
         k_t, v_t = kh[:, :, n0:n1], vh[:, :, n0:n1]
         for m0 in range(lo, hi, block_m):
             m1 = min(m0 + block_m, hi)
             q_t, do_t = _rows(qh, m0, m1), _rows(doh, m0, m1)
-            s, t = _scores(q_t, k_t, m0, m1, n0, n1, sq, sk, opt, slopes)
+            s, t = _scores(q_t, k_t, m0, m1, n0, n1, vis, opt, slopes)
             p = s.sub_(_rows(lse_h, m0, m1)[..., None]).exp_()
             dp = do_t @ v_t.transpose(-1, -2)
             if opt.dropout_p > 0:

@@ -52,7 +52,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from .attn_fwd_hopper import _capability, _descriptor, feature_reasons  # shared with the forward
+from .attn_fwd_hopper import _capability, _descriptor, feature_reasons, is_causal  # shared with the forward
 from .launch import DirectLauncher
 from .versions import is_tested, tested_text
 
@@ -114,8 +114,8 @@ def reasons(spec, q, k, v, do, out=None) -> list[str]:
         return ["sequence length * head dim must fit in int32 (per-head offsets are 32-bit)"]
     if not enabled():
         return [f"Gluon (Triton {tested_text()}) unavailable or FLASHPORT_HOPPER_BWD=0"]
-    if (spec.dtype, spec.head_dim, spec.causal, spec.device) in broken:
-        return ["failed to compile here: " + broken[(spec.dtype, spec.head_dim, spec.causal, spec.device)]]
+    if (spec.dtype, spec.head_dim, is_causal(spec), spec.device) in broken:
+        return ["failed to compile here: " + broken[(spec.dtype, spec.head_dim, is_causal(spec), spec.device)]]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return ["needs an sm_90 (Hopper) GPU"]
     tensors = (q, k, v, do) if out is None else (q, k, v, do, out)
@@ -445,11 +445,11 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
             _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dk_out, dv_out, sq, sk, group,
             spec.softmax_scale * LOG2E, spec.softmax_scale)
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and causal.
-    meta = dict(HEADS_Q=hq, CAUSAL=spec.causal, STAGES=tiles.stages, DQ_BUFS=tiles.dq_bufs, RAGGED=ragged,
+    meta = dict(HEADS_Q=hq, CAUSAL=is_causal(spec), STAGES=tiles.stages, DQ_BUFS=tiles.dq_bufs, RAGGED=ragged,
                 num_warps=4)
     if warmup:
         return _launch.compile(grid, args, meta)
-    key = (q.dtype, d, spec.causal, q.device)
+    key = (q.dtype, d, is_causal(spec), q.device)
     if (tiles, hq, group > 1, ragged, *key) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             _launch.compile(grid, args, meta)

@@ -3,10 +3,10 @@
 The Q tile [BLOCK_M, D] stays on chip while K/V tiles [BLOCK_N, D] stream through it; an online
 softmax (running max m_i and sum l_i, in the log2 domain with exp2) rescales the accumulator acc,
 so scores never reach device memory.  Key tiles the mask hides entirely are never visited (the key
-range comes from the window / causal diagonal of the Q tile, as in flashport.masks.key_range), and
-only the boundary tiles pay for the mask (either in separate loops or behind a run-time branch: the
-SPLIT note in common.py).  With a positive scale and no softcap / ALiBi, the scale is folded into the
-exp2 argument (one FMA per score).
+range comes from the window / causal diagonal of the Q tile: common.key_tiles, the twin of
+flashport.masks.Visibility.key_tiles), and only the boundary tiles pay for the mask (either in
+separate loops or behind a run-time branch: the SPLIT note in common.py).  With a positive scale
+and no softcap / ALiBi, the scale is folded into the exp2 argument (one FMA per score).
 
 Equivalent PyTorch math (per batch b, query head h, kv head h // G):
     p = softmax(score(q[b, :, h] @ k[b, :, h // G].T), -1)     (score: common.transform_log2, mask_scores)

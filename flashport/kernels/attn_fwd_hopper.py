@@ -98,6 +98,12 @@ def _capability(index: int) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index)
 
 
+def is_causal(spec) -> bool:
+    """The kernels' CAUSAL variant: the mask's kind (flashport.masks.Visibility), so window (-1, 0) is
+    served as causal=True is."""
+    return spec.visibility.kind == "causal"
+
+
 def feature_reasons(spec) -> list[str]:
     """The call features both Hopper kernels (this forward and kernels/attn_bwd_hopper.py) leave to the
     Triton kernels: the first one present, or [] for a plain bf16/fp16 call, causal only with Sq == Sk."""
@@ -105,9 +111,9 @@ def feature_reasons(spec) -> list[str]:
         return ["bfloat16 / float16 only"]
     if spec.softcap > 0 or spec.alibi is not None or spec.dropout_p > 0 or spec.softmax_scale <= 0:
         return ["no softcap, ALiBi or dropout; positive softmax scale"]
-    if spec.window_left >= 0 or (spec.window_right >= 0 and not spec.causal):
+    if spec.visibility.kind not in ("none", "causal"):
         return ["no sliding window"]
-    if spec.causal and spec.seqlen_q != spec.seqlen_k:
+    if is_causal(spec) and spec.seqlen_q != spec.seqlen_k:
         return ["causal needs Sq == Sk"]
     return []
 
@@ -124,9 +130,9 @@ def reasons(spec, q, k, v, length_floor: bool = True) -> list[str]:
     plain = feature_reasons(spec)
     if plain:
         return plain
-    floor = min_keys(d, spec.causal) if length_floor else 0
+    floor = min_keys(d, is_causal(spec)) if length_floor else 0
     if floor is None:
-        return [f"not at D={d}{' causal' if spec.causal else ''}: the Triton kernel measured as fast or faster "
+        return [f"not at D={d}{' causal' if is_causal(spec) else ''}: the Triton kernel measured as fast or faster "
                 f"at every length"]
     if spec.seqlen_q % TILE or spec.seqlen_k % TILE or min(spec.seqlen_q, spec.seqlen_k) < max(floor, TILE):
         return [f"sequence lengths must be multiples of {TILE} and at least {max(floor, TILE)} at D={d} (shorter: "
@@ -135,8 +141,8 @@ def reasons(spec, q, k, v, length_floor: bool = True) -> list[str]:
         return [f"batch * heads must be in [1, {MAX_GRID_Y}]"]
     if not enabled():
         return [f"Gluon (Triton {tested_text()}) unavailable or FLASHPORT_HOPPER_FWD=0"]
-    if (spec.dtype, d, spec.causal, spec.device) in broken:
-        return ["failed to compile here: " + broken[(spec.dtype, d, spec.causal, spec.device)]]
+    if (spec.dtype, d, is_causal(spec), spec.device) in broken:
+        return ["failed to compile here: " + broken[(spec.dtype, d, is_causal(spec), spec.device)]]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return ["needs an sm_90 (Hopper) GPU"]
     if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
@@ -390,11 +396,11 @@ def forward(spec, q, k, v, warmup: bool = False):
     args = (_descriptor(q, TILE), _descriptor(k, tiles.block_n), _descriptor(v, tiles.block_n),
             _descriptor(out, BLOCK_M), lse, lse2, sq, spec.seqlen_k, hq, spec.group_size,
             spec.softmax_scale * LOG2E)
-    meta = dict(CAUSAL=spec.causal, STAGES=tiles.stages, CONSUMER_REGS=tiles.consumer_regs,
+    meta = dict(CAUSAL=is_causal(spec), STAGES=tiles.stages, CONSUMER_REGS=tiles.consumer_regs,
                 EARLY_K=tiles.early_k, num_warps=4)
     if warmup:
         return _launch.compile(grid, args, meta)
-    variant = (q.dtype, d, spec.causal, q.device)
+    variant = (q.dtype, d, is_causal(spec), q.device)
     if variant not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             _launch.compile(grid, args, meta)

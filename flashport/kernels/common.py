@@ -116,28 +116,76 @@ def head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI: tl.constexpr
     return slope2, seed, rng_offset, b * n_heads + h
 
 
-@triton.jit
-def key_tiles(start_m, sq, sk, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Key tiles of the Q tile [start_m, start_m + BLOCK_M): (lo, hi, full_lo, full_hi).
+# ----------------------------------------------------------------------------- visibility
+# The jit twins of flashport.masks.Visibility's range methods (same names, same formulas), with diag =
+# Sk - Sq and HAS_LEFT / HAS_RIGHT = Visibility.has_left / has_right; tests/test_visibility.py holds
+# them to the host methods.  Triton's integer division truncates towards zero: operands are clamped
+# at 0 before any division.
 
-    [lo, hi) are the keys some row can see (flashport.masks.key_range), lo rounded down to a tile;
-    tiles in [full_lo, full_hi) are seen whole by every (valid) row: no mask needed there."""
-    m_end = tl.minimum(start_m + BLOCK_M, sq)
+
+@triton.jit
+def key_range(m0, m1, sk, diag, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Visibility.key_range: keys [lo, hi) that some row of [m0, m1) sees."""
     lo = 0
     hi = sk
     if HAS_LEFT:
-        lo = tl.maximum(start_m + diag - left, 0)
+        lo = tl.maximum(m0 + diag - left, 0)
     if HAS_RIGHT:
-        hi = tl.minimum(m_end + diag + right, sk)
-    lo = (lo // BLOCK_N) * BLOCK_N
-    full_lo = lo
-    full_hi = sk
+        hi = tl.minimum(m1 + diag + right, sk)
+    return lo, hi
+
+
+@triton.jit
+def full_key_range(m0, m1, sk, diag, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Visibility.full_key_range: keys [lo, hi) that every row of [m0, m1) sees."""
+    lo = 0
+    hi = sk
     if HAS_LEFT:
-        full_lo = tl.maximum(tl.cdiv(tl.maximum(m_end - 1 + diag - left, 0), BLOCK_N) * BLOCK_N, lo)
+        lo = tl.maximum(m1 - 1 + diag - left, 0)
     if HAS_RIGHT:
-        full_hi = tl.minimum(start_m + diag + right + 1, sk)
-    full_hi = (tl.maximum(full_hi, 0) // BLOCK_N) * BLOCK_N
+        hi = tl.minimum(m0 + diag + right + 1, sk)
+    return lo, hi
+
+
+@triton.jit
+def query_range(n0, n1, sq, diag, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Visibility.query_range: rows [lo, hi) that see some key of [n0, n1)."""
+    lo = 0
+    hi = sq
+    if HAS_RIGHT:
+        lo = tl.maximum(n0 - diag - right, 0)
+    if HAS_LEFT:
+        hi = tl.minimum(n1 + left - diag, sq)
+    return lo, hi
+
+
+@triton.jit
+def full_query_range(n0, n1, sq, diag, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Visibility.full_query_range: rows [lo, hi) that see every key of [n0, n1)."""
+    lo = 0
+    hi = sq
+    if HAS_RIGHT:
+        lo = tl.maximum(n1 - 1 - diag - right, 0)
+    if HAS_LEFT:
+        hi = tl.minimum(n0 - diag + left + 1, sq)
+    return lo, hi
+
+
+@triton.jit
+def key_tiles(start_m, sq, sk, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
+    """Visibility.key_tiles: key tiles of the Q tile [start_m, start_m + BLOCK_M), (lo, hi, full_lo, full_hi).
+
+    [lo, hi) are the keys some row can see (key_range), lo rounded down to a tile; tiles in
+    [full_lo, full_hi) are seen whole by every (valid) row (full_key_range): no mask needed there."""
+    m_end = tl.minimum(start_m + BLOCK_M, sq)
+    lo, hi = key_range(start_m, m_end, sk, diag, left, right, HAS_LEFT, HAS_RIGHT)
+    lo = (lo // BLOCK_N) * BLOCK_N
+    lo_full, hi_full = full_key_range(start_m, m_end, sk, diag, left, right, HAS_LEFT, HAS_RIGHT)
+    full_lo = lo
+    if HAS_LEFT:
+        full_lo = tl.maximum(tl.cdiv(lo_full, BLOCK_N) * BLOCK_N, lo)
+    full_hi = (tl.maximum(hi_full, 0) // BLOCK_N) * BLOCK_N
     full_lo = tl.minimum(full_lo, hi)
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     return lo, hi, full_lo, full_hi
@@ -146,26 +194,19 @@ def key_tiles(start_m, sq, sk, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_N
 @triton.jit
 def query_tiles(start_n, sq, sk, diag, left, right, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """Q tiles of the key tile [start_n, start_n + BLOCK_N): (lo, hi, full_lo, full_hi).
+    """Visibility.query_tiles: Q tiles of the key tile [start_n, start_n + BLOCK_N), (lo, hi, full_lo, full_hi).
 
-    [lo, hi) are the rows that see some key of the tile (flashport.masks.query_range), lo rounded
-    down to a tile; Q tiles in [full_lo, full_hi) have only valid rows, each seeing every key of a
-    complete key tile: no mask needed there."""
+    [lo, hi) are the rows that see some key of the tile (query_range), lo rounded down to a tile; Q tiles
+    in [full_lo, full_hi) have only valid rows, each seeing every key of a complete key tile
+    (full_query_range): no mask needed there."""
     n_end = tl.minimum(start_n + BLOCK_N, sk)
-    lo = 0
-    hi = sq
-    if HAS_RIGHT:
-        lo = tl.maximum(start_n - diag - right, 0)
-    if HAS_LEFT:
-        hi = tl.minimum(n_end + left - diag, sq)
+    lo, hi = query_range(start_n, n_end, sq, diag, left, right, HAS_LEFT, HAS_RIGHT)
     lo = (lo // BLOCK_M) * BLOCK_M
+    lo_full, hi_full = full_query_range(start_n, n_end, sq, diag, left, right, HAS_LEFT, HAS_RIGHT)
     full_lo = lo
-    full_hi = sq
     if HAS_RIGHT:
-        full_lo = tl.maximum(tl.cdiv(tl.maximum(n_end - 1 - diag - right, 0), BLOCK_M) * BLOCK_M, lo)
-    if HAS_LEFT:
-        full_hi = tl.minimum(start_n - diag + left + 1, sq)
-    full_hi = (tl.maximum(full_hi, 0) // BLOCK_M) * BLOCK_M
+        full_lo = tl.maximum(tl.cdiv(lo_full, BLOCK_M) * BLOCK_M, lo)
+    full_hi = (tl.maximum(hi_full, 0) // BLOCK_M) * BLOCK_M
     full_lo = tl.where(n_end - start_n < BLOCK_N, hi, tl.minimum(full_lo, hi))
     full_hi = tl.minimum(tl.maximum(full_hi, full_lo), hi)
     return lo, hi, full_lo, full_hi
@@ -209,7 +250,7 @@ def tanh(x, PRECISE: tl.constexpr):
 
 @triton.jit
 def visible(i, j, sk, diag, left, right, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr):
-    """flashport.masks.visible with diag = Sk - Sq; i and j broadcast ([M, 1] x [1, N] or transposed)."""
+    """Visibility.sees (flashport.masks) with diag = Sk - Sq; i and j broadcast ([M, 1] x [1, N] or transposed)."""
     ok = j < sk
     if HAS_LEFT:
         ok = ok & (j >= i + diag - left)
@@ -308,8 +349,8 @@ class KernelArgs:
             precision = "tf32"  # ignored for 16-bit inputs
         self.constexprs = dict(
             D=spec.head_dim, DV=spec.head_dim_v, BLOCK_D=block_dim(spec.head_dim),
-            BLOCK_DV=block_dim(spec.head_dim_v), IS_VARLEN=varlen, HAS_LEFT=spec.window_left >= 0,
-            HAS_RIGHT=spec.window_right >= 0, SOFTCAP=spec.softcap > 0, ALIBI=alibi is not None,
+            BLOCK_DV=block_dim(spec.head_dim_v), IS_VARLEN=varlen, HAS_LEFT=spec.visibility.has_left,
+            HAS_RIGHT=spec.visibility.has_right, SOFTCAP=spec.softcap > 0, ALIBI=alibi is not None,
             DROPOUT=dropout, PRECISION=precision, ALIGN=16)
         self.cover(q, k, v)
 

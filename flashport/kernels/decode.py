@@ -30,7 +30,7 @@ import triton.language as tl
 import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda.gdc_launch_dependents)
 
 from . import splitkv
-from .common import LOG2E, device_guard, score_log2
+from .common import LOG2E, device_guard, key_range, score_log2
 from .merge import merge_partials
 from .splitkv import (DecodeConfig, choose_config, choose_num_splits, device_facts, interpreting, sm_count,
                       smem_limit)
@@ -79,12 +79,7 @@ def _kvcache_split_kernel(
     # Keys the row block can see, cut into whole tiles and dealt out to the splits.
     i_first = (pid_m * BLOCK_M) // GROUP
     i_last = tl.minimum((pid_m * BLOCK_M + BLOCK_M - 1) // GROUP, seqlen_q - 1)
-    lo = seqlen_k * 0
-    hi = seqlen_k
-    if HAS_LEFT:
-        lo = tl.maximum(lo, i_first + diag - window_left)
-    if HAS_RIGHT:
-        hi = tl.minimum(hi, i_last + diag + window_right + 1)
+    lo, hi = key_range(i_first, i_last + 1, seqlen_k, diag, window_left, window_right, HAS_LEFT, HAS_RIGHT)
     lo = (lo // BLOCK_N) * BLOCK_N                              # lo >= 0: tiles start on multiples
     n_tiles = tl.where(hi > lo, (hi - lo + BLOCK_N - 1) // BLOCK_N, 0)
     tiles_per_split = (n_tiles + num_splits - 1) // num_splits
@@ -248,7 +243,7 @@ def launch_plan(spec, sms: int, smem: int, interpreter: bool, tf32: bool, num_sp
         GROUP=spec.group_size, HEAD_DIM=spec.head_dim, HEAD_DIM_V=spec.head_dim_v,
         BLOCK_M=cfg.BLOCK_M, BLOCK_N=cfg.BLOCK_N, BLOCK_D=cfg.BLOCK_D, BLOCK_DV=cfg.BLOCK_DV,
         PAGED=spec.paged, PAGE_SIZE=spec.page_block_size if spec.paged else 1, TILE_IN_PAGE=tile_in_page,
-        HAS_LEFT=spec.window_left >= 0, HAS_RIGHT=spec.window_right >= 0,
+        HAS_LEFT=spec.visibility.has_left, HAS_RIGHT=spec.visibility.has_right,
         SOFTCAP=softcap > 0, ALIBI=spec.alibi is not None,
         DOT_PRECISION="ieee" if spec.dtype == torch.float32 and not tf32 else "tf32",
         LAUNCH_DEPENDENTS=pdl,
