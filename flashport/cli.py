@@ -7,10 +7,6 @@ import os
 import platform
 import sys
 
-ENV_VARS = ("FLASHPORT_BACKEND", "FLASHPORT_CHECKS", "FLASHPORT_ALLOW_TF32", "FLASHPORT_ALLOW_UNTESTED_TRITON",
-            "TRITON_INTERPRET")
-
-
 def info_dict() -> dict:
     """Device, versions and every backend with availability, reasons and capabilities."""
     import torch
@@ -34,7 +30,10 @@ def info_dict() -> dict:
         d["cuda"] = torch.version.cuda
     else:
         d["device"] = "cpu"
-    d["env"] = {k: os.environ.get(k) for k in ENV_VARS}
+    from . import env, table
+    d["switches"] = {name: {"value": env.value(name), "set": env.raw(name) is not None, "default": sw.default,
+                            "meaning": sw.meaning} for name, sw in env.SWITCHES.items()}
+    d["selection_table"] = table.describe("cuda" if torch.cuda.is_available() else "cpu")
     d["backends"] = [{"name": b.name, "available": b.available, "reasons": b.reasons,
                       "capabilities": b.capabilities} for b in flashport.backends()]
     return d
@@ -54,7 +53,14 @@ def cmd_info(args) -> int:
                   f"{g['sm_count']} SMs, {g['memory_gib']} GiB")
     else:
         print("device    cpu (no CUDA device)")
-    print("env       " + ("  ".join(f"{k}={v}" for k, v in d["env"].items() if v is not None) or "(none set)"))
+    print("switches (value, default, meaning):")
+    for name, sw in d["switches"].items():
+        mark = "*" if sw["set"] else " "
+        print(f" {mark}{name:<32} {sw['value'] or '-':<6} (default {sw['default'] or '-'}) {sw['meaning']}")
+    t = d["selection_table"]
+    print(f"selection table: {t['status']}" + (f" ({t['path']}, {t['buckets']} buckets)" if t.get("path") else ""))
+    for w in t.get("warnings", []):
+        print(f"  note: {w}")
     print("backends (auto order):")
     for b in d["backends"]:
         state = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])

@@ -8,9 +8,9 @@ argument.  Reading the flags synchronises, so it happens only when asked: `check
 """
 from __future__ import annotations
 
-import os
 
 import torch
+from . import env
 
 # Slot -> (argument, what was wrong).  The slot numbers are the kernels' constexpr FLAG_* values.
 FLAGS = (
@@ -64,7 +64,7 @@ def device_kernels():
             import triton
 
             from .kernels.versions import is_tested
-            if is_tested(triton.__version__) or os.environ.get("FLASHPORT_ALLOW_UNTESTED_TRITON", "0") == "1":
+            if is_tested(triton.__version__) or env.flag("FLASHPORT_ALLOW_UNTESTED_TRITON"):
                 from .kernels import contents as _kc
                 _kernels = _kc
         except Exception:  # noqa: BLE001 - no (working) Triton in this process

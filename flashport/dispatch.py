@@ -1,20 +1,27 @@
 """Backend registry and selection: explicit `backend=` > `use_backend()` / FLASHPORT_BACKEND > auto.
 
-Each backend declares capabilities and answers `supports(spec) -> list[str]` with the reasons it
-cannot serve a call (empty list = it can).  A named backend is strict: it serves the call or
-`UnsupportedError` is raised.  Auto order is the registration order; `reference` is never chosen
-automatically.  Selection happens in Python, outside any compiled graph.
+Every kernel family is a backend with declared `Capabilities` (flashport/capabilities.py); one
+generic check reads them and a backend adds its own reasons.  Forward and backward are chosen
+separately (xFormers' FwOp / BwOp): backends whose saved state is (out, lse) mix freely, e.g. the
+Gluon forward with the Triton backward; a backend that needs its own forward state (PyTorch SDPA)
+is chosen as a pair.  A name is strict: "triton" (both directions) or "gluon/triton" (forward /
+backward) serves the call or `UnsupportedError` says why.  Auto takes the fastest measured plan
+from the selection table (flashport/table.py) where a bucket fits, and the static priority
+(registration order, each backend's preferences) elsewhere; only exact backends take part, and
+`reference` is never chosen automatically.  Selection happens in Python, outside compiled graphs,
+and is memoised per call description.
 """
 from __future__ import annotations
 
 import contextlib
 import contextvars
 import logging
-import os
 import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
+from . import capabilities, env
+from .capabilities import Capabilities
 from .spec import AttnSpec
 
 log = logging.getLogger("flashport")
@@ -32,39 +39,110 @@ class BackendInfo:
     capabilities: dict = field(default_factory=dict)
 
 
-class Backend:
-    """Base class.  Subclasses set `name`, `capabilities`, and implement `run`.
+@dataclass
+class Saved:
+    """What a backward receives from whichever forward ran: the contract's (out, lse) plus the
+    producing backend's private state, passed only to a backward of the same `state_family`."""
 
-    `run(spec, inputs) -> (out, lse)` returns out in q's dtype and lse float32 ([B, Hq, Sq] for
-    dense/kvcache, [Hq, total_q] for varlen), differentiable through torch.autograd when needed.
+    q: object
+    k: object
+    v: object
+    out: object
+    lse: object            # float32, [B, Hq, Sq] (dense) or [Hq, total_q] (varlen); -inf where a row sees no key
+    private: object = None
+    producer: str = ""
+
+
+class Backend:
+    """Base class.  Subclasses set `name`, `caps` (Capabilities) and a docstring saying what they serve.
+
+    A backend with caps.saved_state == "lse" implements
+        forward(spec, inputs) -> (out, lse, private)        out in q's dtype, lse float32
+        backward(spec, inputs, saved: Saved, dout, dlse) -> (dq, dk, dv)
+    and may be mixed with any other such backend.  A backend with saved_state == "own" implements
+    run(spec, inputs) -> (out, lse) with its own autograd.
     """
 
     name: str = "?"
+    caps: Capabilities = Capabilities()
     auto: bool = True            # may auto-selection pick it?
     auto_devices: tuple = ()     # device types auto-selection may pick it on; () = every device
     slow_on_gpu: bool = False    # materialises scores or runs at PyTorch-op speed on a GPU
-    capabilities: dict = {}
+    state_family: str = ""       # backends sharing private forward state (e.g. lse in log2 units)
+
+    @property
+    def capabilities(self) -> dict:
+        return self.caps.as_dict()
 
     def availability(self) -> list[str]:
         """Reasons this backend cannot run at all in this process (missing package, no device)."""
         return []
 
-    def supports(self, spec: AttnSpec) -> list[str]:
+    def own_reasons(self, spec: AttnSpec, role: str) -> list[str]:
+        """What the declaration cannot say (a probe, a tensor-size limit)."""
+        return []
+
+    def supports(self, spec: AttnSpec, role: str | None = None) -> list[str]:
+        """Reasons it cannot serve `spec` in `role` ("fwd", "bwd"; None: every role the call needs)."""
+        roles = (role,) if role else (("fwd", "bwd") if spec.needs_grad else ("fwd",))
+        out = []
+        for r in roles:
+            prefix = "backward: " if r == "bwd" and role is None else ""
+            for why in capabilities.reasons(self.caps, spec, r) + self.own_reasons(spec, r):
+                if prefix + why not in out:
+                    out.append(prefix + why)
+        return out
+
+    def prefers(self, spec: AttnSpec, role: str) -> bool:
+        """Static priority: False where another backend is known to be faster (used where no table fits)."""
+        return True
+
+    def forward(self, spec: AttnSpec, inputs):
+        raise NotImplementedError
+
+    def backward(self, spec: AttnSpec, inputs, saved: Saved, dout, dlse):
         raise NotImplementedError
 
     def run(self, spec: AttnSpec, inputs):
-        raise NotImplementedError
+        """This backend alone, forward and backward -> (out, lse).  An "own"-state backend overrides it."""
+        from .plan import run_plan
+        return run_plan(Plan(self, self), spec, inputs)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The forward's backend and the backward's (the same object for a pair)."""
+
+    fwd: Backend
+    bwd: Backend
+
+    @property
+    def name(self) -> str:
+        return self.fwd.name if self.fwd is self.bwd else f"{self.fwd.name}/{self.bwd.name}"
+
+    def run(self, spec: AttnSpec, inputs):
+        if self.fwd is self.bwd:
+            return self.fwd.run(spec, inputs)
+        from .plan import run_plan
+        return run_plan(self, spec, inputs)
 
 
 _REGISTRY: dict[str, Backend] = {}
 _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("flashport_backend", default=None)
 fallback_counts: Counter = Counter()  # auto landings on slow paths on a GPU, by backend name
 _warned: set = set()
+_memo: dict = {}
 
 
 def register(backend: Backend) -> Backend:
     _REGISTRY[backend.name] = backend
+    clear_cache()
     return backend
+
+
+def clear_cache() -> None:
+    """Forget memoised choices (after registering a backend, or patching one in a test)."""
+    _memo.clear()
 
 
 def get(name: str) -> Backend:
@@ -74,27 +152,23 @@ def get(name: str) -> Backend:
 
 
 def backends() -> list[BackendInfo]:
-    """Every registered backend in auto-priority order, with why it is unavailable if it is."""
+    """Every registered backend in static-priority order, with why it is unavailable if it is."""
     out = []
     for b in _REGISTRY.values():
-        reasons = b.availability()
+        reasons = b.availability() + _disabled_reasons(b.name)
         out.append(BackendInfo(b.name, not reasons, list(reasons), dict(b.capabilities)))
     return out
 
 
 @contextlib.contextmanager
 def use_backend(name: str):
-    """Force a backend inside the block (strict, like `backend=`)."""
-    get(name)  # unknown names fail here, not at the first call
+    """Force a backend (or a "fwd/bwd" pair) inside the block (strict, like `backend=`)."""
+    _parse(name)  # unknown names fail here, not at the first call
     token = _forced.set(name)
     try:
         yield
     finally:
         _forced.reset(token)
-
-
-def _reasons(b: Backend, spec: AttnSpec) -> list[str]:
-    return b.availability() or b.supports(spec)
 
 
 def _requested(backend) -> str | None:
@@ -105,38 +179,136 @@ def _requested(backend) -> str | None:
     forced = _forced.get()
     if forced is not None:
         return forced
-    return os.environ.get("FLASHPORT_BACKEND")
+    return env.raw("FLASHPORT_BACKEND")
 
 
-def select(spec: AttnSpec, backend: str | None = None) -> Backend:
+def _disabled() -> frozenset:
+    return frozenset(n.strip() for n in env.value("FLASHPORT_DISABLE").split(",") if n.strip())
+
+
+def _disabled_reasons(name: str) -> list[str]:
+    return ["disabled by FLASHPORT_DISABLE"] if name in _disabled() else []
+
+
+def _parse(name) -> tuple[Backend, Backend]:
+    if not isinstance(name, str):
+        raise TypeError(f"backend must be a str or None, got {type(name).__name__}")
+    if "/" in name:
+        f, _, b = name.partition("/")
+        fb, bb = get(f), get(b)
+        for x in (fb, bb):
+            if x.caps.saved_state != "lse":
+                raise UnsupportedError(f"backend {name!r}: {x.name} keeps its own forward state and cannot be "
+                                       f"paired with another backend; name it alone")
+        return fb, bb
+    b = get(name)
+    return b, b
+
+
+def _reasons(b: Backend, spec: AttnSpec, role: str) -> list[str]:
+    return b.availability() or _disabled_reasons(b.name) or b.supports(spec, role)
+
+
+# Switches that change an answer; read at every call (a few dict lookups) and part of the memo key.
+_KEY_SWITCHES = ("FLASHPORT_DISABLE", "FLASHPORT_HOPPER_FWD", "FLASHPORT_HOPPER_BWD", "FLASHPORT_TABLE",
+                 "FLASHPORT_CACHE_DIR", "TRITON_INTERPRET", "FLASHPORT_ALLOW_UNTESTED_TRITON")
+
+
+def select(spec: AttnSpec, backend: str | None = None) -> Plan:
     name = _requested(backend)
-    if name is not None:
-        if not isinstance(name, str):
-            raise TypeError(f"backend must be a str or None, got {type(name).__name__}")
-        b = get(name)
-        reasons = _reasons(b, spec)
-        if reasons:
-            raise UnsupportedError(f"backend {name!r} cannot serve this call:\n  - {name}: " + "; ".join(reasons))
-        log.debug("flashport: %s chosen explicitly for %s", name, spec)
-        return b
-    tried = []
+    key = (spec, name, tuple(env.raw(s) for s in _KEY_SWITCHES))
+    plan = _memo.get(key)
+    if plan is None:
+        plan = _named(spec, name) if name is not None else _auto(spec)
+        _memo[key] = plan
+    if spec.device.type == "cuda" and name is None:
+        for b in {plan.fwd, plan.bwd} if spec.needs_grad else {plan.fwd}:
+            if b.slow_on_gpu:
+                _warn_slow(b, spec)
+    return plan
+
+
+def _named(spec: AttnSpec, name: str) -> Plan:
+    f, b = _parse(name)
+    if f is b:
+        reasons = b.availability() or _disabled_reasons(b.name) or b.supports(spec)
+    else:
+        reasons = _reasons(f, spec, "fwd") + ([f"backward: {r}" for r in _reasons(b, spec, "bwd")]
+                                               if spec.needs_grad else [])
+    if reasons:
+        raise UnsupportedError(f"backend {name!r} cannot serve this call:\n  - {name}: " + "; ".join(reasons))
+    log.debug("flashport: %s chosen explicitly for %s", name, spec)
+    return Plan(f, b)
+
+
+def _candidates(spec: AttnSpec, tried: list) -> list[Backend]:
+    out = []
     for b in _REGISTRY.values():
         if not b.auto:
             tried.append(f"  - {b.name}: never chosen automatically (name it to use it)")
-            continue
-        if b.auto_devices and spec.device.type not in b.auto_devices:
+        elif b.auto_devices and spec.device.type not in b.auto_devices:
             tried.append(f"  - {b.name}: not chosen automatically on {spec.device.type} (name it to use it)")
-            continue
-        reasons = _reasons(b, spec)
-        if reasons:
-            tried.append(f"  - {b.name}: " + "; ".join(reasons))
-            continue
-        if spec.device.type == "cuda" and b.slow_on_gpu:
-            fallback_counts[b.name] += 1
-            if b.name not in _warned:
-                _warned.add(b.name)
-                warnings.warn(f"flashport: no fast GPU backend serves this call, running on {b.name!r} "
-                              f"(PyTorch-op speed). Reasons:\n" + "\n".join(tried), RuntimeWarning, stacklevel=3)
-        log.debug("flashport: %s chosen automatically for %s", b.name, spec)
-        return b
-    raise UnsupportedError("no backend can serve this call:\n" + "\n".join(tried))
+        elif not b.caps.exact:
+            tried.append(f"  - {b.name}: not exact")
+        else:
+            out.append(b)
+    return out
+
+
+def options(spec: AttnSpec, tried: list | None = None) -> list[Plan]:
+    """Every plan auto-selection may take for `spec`, in static-priority order (preferred first)."""
+    tried = [] if tried is None else tried
+    cands = _candidates(spec, tried)
+    fwd_ok, bwd_ok = [], []
+    for b in cands:
+        rf = _reasons(b, spec, "fwd")
+        rb = _reasons(b, spec, "bwd") if spec.needs_grad else []
+        if rf:
+            tried.append(f"  - {b.name}: " + "; ".join(rf))
+        elif rb and b.caps.saved_state == "own":
+            tried.append(f"  - {b.name}: backward: " + "; ".join(rb))
+        if not rf:
+            fwd_ok.append(b)
+        if spec.needs_grad and not rb:
+            bwd_ok.append(b)
+        elif spec.needs_grad and b.caps.saved_state == "lse" and not rf:
+            tried.append(f"  - {b.name} (backward): " + "; ".join(rb))
+
+    def ranked(bs, role):
+        return [b for b in bs if b.prefers(spec, role)] + [b for b in bs if not b.prefers(spec, role)]
+
+    plans = []
+    for f in ranked(fwd_ok, "fwd"):
+        if not spec.needs_grad:
+            plans.append(Plan(f, f))
+        elif f.caps.saved_state == "own":
+            if f in bwd_ok:
+                plans.append(Plan(f, f))
+        else:
+            plans += [Plan(f, b) for b in ranked([b for b in bwd_ok if b.caps.saved_state == "lse"], "bwd")]
+    return plans
+
+
+def _auto(spec: AttnSpec) -> Plan:
+    tried: list = []
+    plans = options(spec, tried)
+    if not plans:
+        raise UnsupportedError("no backend can serve this call:\n" + "\n".join(tried))
+    plan = plans[0]
+    if spec.device.type == "cuda":
+        from . import table
+        measured = table.best(spec, plans)
+        if measured is not None:
+            plan = measured
+    log.debug("flashport: %s chosen automatically for %s", plan.name, spec)
+    return plan
+
+
+def _warn_slow(b: Backend, spec: AttnSpec) -> None:
+    fallback_counts[b.name] += 1
+    if b.name not in _warned:
+        _warned.add(b.name)
+        tried: list = []
+        options(spec, tried)
+        warnings.warn(f"flashport: no fast GPU backend serves this call, running on {b.name!r} "
+                      f"(PyTorch-op speed). Reasons:\n" + "\n".join(tried), RuntimeWarning, stacklevel=4)

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass, field
 from numbers import Integral, Real
 from typing import Optional
 
 import torch
 
+from . import env
 from .masks import Visibility
 from .overlap import overlaps
 
@@ -96,7 +96,7 @@ class AttnInputs:
 
 
 def content_checks_enabled(device: torch.device) -> bool:
-    return device.type == "cpu" or os.environ.get("FLASHPORT_CHECKS", "0") == "1"
+    return device.type == "cpu" or env.flag("FLASHPORT_CHECKS")
 
 
 # ----------------------------------------------------------------------------- small checks

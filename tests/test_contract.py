@@ -158,7 +158,7 @@ def test_use_backend_and_env_are_strict(monkeypatch):
     with pytest.raises(UnsupportedError, match="unknown backend"):
         attn()
     monkeypatch.setenv("FLASHPORT_BACKEND", "blockwise")
-    monkeypatch.setattr(dispatch._REGISTRY["blockwise"], "supports", lambda spec: ["pretend reason"])
+    monkeypatch.setattr(dispatch._REGISTRY["blockwise"], "supports", lambda spec, role=None: ["pretend reason"])
     with pytest.raises(UnsupportedError, match="pretend reason"):  # no silent fallback to another backend
         attn()
     monkeypatch.delenv("FLASHPORT_BACKEND")
@@ -256,7 +256,7 @@ def test_numpy_integers_are_ints():
 def test_auto_refusal_lists_every_backend(monkeypatch):
     from flashport import dispatch
     monkeypatch.delenv("FLASHPORT_BACKEND", raising=False)
-    monkeypatch.setattr(dispatch._REGISTRY["blockwise"], "supports", lambda spec: ["pretend reason"])
+    monkeypatch.setattr(dispatch._REGISTRY["blockwise"], "supports", lambda spec, role=None: ["pretend reason"])
     with pytest.raises(UnsupportedError) as info:
         attn()
     for name in dispatch._REGISTRY:  # those skipped by the auto policy too, each with why

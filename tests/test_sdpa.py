@@ -55,7 +55,7 @@ def _spec(sq=8, sk=8, hq=2, hkv=2, d=16, grad=False, **kw):
 
 @pytest.mark.parametrize("kw, reason", [
     (dict(softcap=2.0), "softcap"),
-    (dict(alibi_slopes=torch.ones(2)), "alibi"),
+    (dict(alibi_slopes=torch.ones(2)), "ALiBi"),
     (dict(window_size=(3, 3)), "window"),
     (dict(window_size=(-1, 2)), "window"),
     (dict(dropout_p=0.1), "dropout"),
@@ -113,6 +113,7 @@ def test_sdpa_capabilities_are_honest():
     info = {b.name: b for b in flashport.backends()}["sdpa"]
     assert info.available
     caps = info.capabilities
-    for feature in ("varlen", "kvcache", "dropout", "alibi", "softcap", "return_lse"):
+    assert caps["kinds"] == ["dense"] and caps["saved_state"] == "own"
+    for feature in ("paged_kvcache", "dropout", "alibi", "softcap", "lse"):
         assert caps[feature] is False
-    assert caps["bwd"] is True
+    assert caps["bwd"] is True and "window" not in caps["mask_kinds"]

@@ -1,11 +1,13 @@
-"""Built-in backends, registered in auto-priority order: triton, sdpa, blockwise (reference last,
-never auto-selected)."""
+"""Built-in backends, registered in static-priority order (the order auto-selection tries where no measured
+table fits): gluon, triton, sdpa-cudnn, sdpa-flash, sdpa-efficient, blockwise; then sdpa and reference,
+which are never chosen automatically."""
 from .. import dispatch
 from .blockwise import BlockwiseBackend
+from .gluon import GluonBackend
 from .reference import ReferenceBackend
-from .sdpa import SdpaBackend
+from .sdpa import SDPA_KERNELS, SdpaBackend
 from .triton import TritonBackend
 
-# This list IS the auto order.  TritonBackend and SdpaBackend go in front of BlockwiseBackend.
-for _cls in [TritonBackend, SdpaBackend, BlockwiseBackend, ReferenceBackend]:
-    dispatch.register(_cls())
+for _backend in [GluonBackend(), TritonBackend(), *SDPA_KERNELS, SdpaBackend(), BlockwiseBackend(),
+                 ReferenceBackend()]:
+    dispatch.register(_backend)

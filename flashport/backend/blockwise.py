@@ -28,6 +28,7 @@ from typing import Optional
 import torch
 
 from .. import dispatch
+from ..capabilities import DTYPES, Capabilities
 from ..dropout import dense_keep_mask, keep_mask
 from ..masks import Visibility, alibi_bias
 from ..spec import AttnInputs, AttnSpec
@@ -280,29 +281,6 @@ class _Call:
         return dq, dk, dv
 
 
-class _BlockwiseAttention(torch.autograd.Function):
-    """Saves q, k, v, out and lse (in the compute dtype) only; the rng_state rides in the options."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, call: _Call):
-        out, lse = call.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
-        ctx.call = call
-        ctx.set_materialize_grads(False)
-        return out, lse.to(torch.float32)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, dout, dlse):
-        q, k, v, out, lse = ctx.saved_tensors
-        if dout is None and dlse is None:
-            return None, None, None, None
-        if dout is None:
-            dout = torch.zeros_like(out)
-        dq, dk, dv = ctx.call.backward(dout, dlse, q, k, v, out, lse)
-        return dq, dk, dv, None
-
-
 def _kvcache(spec: AttnSpec, inputs: AttnInputs, opt: _Tiling, alibi):
     """Inference over a dense or paged cache: batch entry b attends to its first seqlens_k[b] keys
     (host values), gathered from its pages for a paged cache (an O(S * D) copy)."""
@@ -328,33 +306,40 @@ def _kvcache(spec: AttnSpec, inputs: AttnInputs, opt: _Tiling, alibi):
 
 
 class BlockwiseBackend(dispatch.Backend):
+    """Pure PyTorch tiled online softmax, forward and backward, on any device and dtype (float64 included), every
+    call the contract allows, in O(S * D) memory.  Correct everywhere, at PyTorch-op speed: on a GPU auto lands
+    here only when no kernel serves the call, and says so once.  Varlen and KV-cache calls read their lengths on
+    the host.  Shares the Philox dropout mask and (out, lse) with the Triton kernels, so it mixes with them."""
+
     name = "blockwise"
-    auto = True
-    slow_on_gpu = True  # correct everywhere, but PyTorch-op speed: Triton/SDPA should win on a GPU
-    capabilities = {"materialises_scores": False, "memory": "O(S*D)", "fwd": True, "bwd": True,
-                    "varlen": True, "kvcache": True, "paged_kvcache": True, "dropout": True, "alibi": True,
-                    "softcap": True, "window": True, "gqa": True, "head_dims": "any", "dv_differs": True,
-                    "deterministic": True, "dtypes": ["float16", "bfloat16", "float32", "float64"],
-                    "devices": "any", "host_sync": "varlen and kvcache read lengths on the host"}
+    slow_on_gpu = True
+    state_family = "blockwise"   # its private state: lse in the compute dtype (float64 for float64 inputs)
+    caps = Capabilities(devices=("cuda", "cpu", "mps", "xpu"), dtypes=DTYPES, max_head_dim=None,
+                        notes=("varlen and KV cache read lengths on the host (a sync on a GPU)",))
 
-    def supports(self, spec: AttnSpec) -> list[str]:
-        return []  # every call the contract allows; validation already rejected the rest
-
-    def run(self, spec: AttnSpec, inputs: AttnInputs):
-        alibi = inputs.alibi_slopes
-        if alibi is not None and alibi.dim() == 1:
-            alibi = alibi.expand(spec.batch, spec.heads_q)
-        opt = _Tiling(scale=spec.softmax_scale, softcap=spec.softcap, left=spec.window_left,
-                      right=spec.window_right, dropout_p=spec.dropout_p, rng_state=inputs.rng_state,
-                      heads_q=spec.heads_q, block_m=BLOCK_M, block_n=BLOCK_N)
+    def forward(self, spec: AttnSpec, inputs: AttnInputs):
+        call, opt = _call(spec, inputs)
         if spec.kind == "kvcache":
-            return _kvcache(spec, inputs, opt, alibi)
-        segments = None
-        if spec.kind == "varlen":
-            cq, ck = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
-            segments = [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(spec.batch)]
-        call = _Call(opt, alibi, segments)
-        if spec.needs_grad:
-            return _BlockwiseAttention.apply(inputs.q, inputs.k, inputs.v, call)
+            out, lse = _kvcache(spec, inputs, opt, call.alibi)
+            return out, lse, None
         out, lse = call.forward(inputs.q, inputs.k, inputs.v)
-        return out, lse.to(torch.float32)
+        return out, lse.to(torch.float32), lse
+
+    def backward(self, spec: AttnSpec, inputs: AttnInputs, saved: dispatch.Saved, dout, dlse):
+        call, _ = _call(spec, inputs)
+        lse = saved.private if saved.private is not None else saved.lse.to(_compute_dtype(saved.q.dtype))
+        return call.backward(dout, dlse, saved.q, saved.k, saved.v, saved.out, lse)
+
+
+def _call(spec: AttnSpec, inputs: AttnInputs) -> tuple[_Call, _Tiling]:
+    alibi = inputs.alibi_slopes
+    if alibi is not None and alibi.dim() == 1:
+        alibi = alibi.expand(spec.batch, spec.heads_q)
+    opt = _Tiling(scale=spec.softmax_scale, softcap=spec.softcap, left=spec.window_left,
+                  right=spec.window_right, dropout_p=spec.dropout_p, rng_state=inputs.rng_state,
+                  heads_q=spec.heads_q, block_m=BLOCK_M, block_n=BLOCK_N)
+    segments = None
+    if spec.kind == "varlen":
+        cq, ck = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
+        segments = [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(spec.batch)]
+    return _Call(opt, alibi, segments), opt

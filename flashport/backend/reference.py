@@ -5,11 +5,13 @@ For tests, `reference_attention(..., dropout_mask=...)` takes an explicit [B, Hq
 """
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
 
 from .. import dispatch
+from ..capabilities import DTYPES, Capabilities
 from ..dropout import dense_keep_mask
 from ..kvcache import gather_pages
 from ..masks import alibi_bias, visible
@@ -81,17 +83,30 @@ def _kw(spec: AttnSpec):
 
 
 class ReferenceBackend(dispatch.Backend):
+    """The specification: materialises every score in float64 and follows the contract literally, for every call
+    and device (O(Sq * Sk) memory).  The oracle of the tests and of `flashport check`; never chosen automatically.
+    Its backward recomputes the forward under autograd, so it also checks another backend's saved (out, lse)."""
+
     name = "reference"
     auto = False
     slow_on_gpu = True
-    capabilities = {"materialises_scores": True, "fwd": True, "bwd": True, "varlen": True, "kvcache": True,
-                    "paged_kvcache": True, "dropout": True, "alibi": True, "softcap": True, "window": True,
-                    "dtypes": ["float16", "bfloat16", "float32", "float64"], "devices": "any"}
+    caps = Capabilities(devices=("cuda", "cpu", "mps", "xpu"), dtypes=DTYPES, max_head_dim=None,
+                        materialises_scores=True)
 
-    def supports(self, spec: AttnSpec) -> list[str]:
-        return []
+    def forward(self, spec: AttnSpec, inputs: AttnInputs):
+        out, lse = self._forward(spec, inputs)
+        return out, lse, None
 
-    def run(self, spec: AttnSpec, inputs: AttnInputs):
+    def backward(self, spec: AttnSpec, inputs: AttnInputs, saved: dispatch.Saved, dout, dlse):
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in (saved.q, saved.k, saved.v))
+            out, lse = self._forward(spec, dataclasses.replace(inputs, q=q, k=k, v=v))
+            outs, grads = (out,), (dout,)
+            if dlse is not None:
+                outs, grads = (out, lse), (dout, dlse)
+            return torch.autograd.grad(outs, (q, k, v), grads, allow_unused=True, materialize_grads=True)
+
+    def _forward(self, spec: AttnSpec, inputs: AttnInputs):
         if spec.kind == "dense":
             return materialized_attention(
                 inputs.q, inputs.k, inputs.v, alibi=_alibi_bh(spec, inputs.alibi_slopes, spec.batch),

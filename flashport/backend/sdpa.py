@@ -22,6 +22,7 @@ Gradients flow through SDPA's own autograd.
 """
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import warnings
 from functools import lru_cache
@@ -30,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from .. import dispatch
+from ..capabilities import Capabilities
 from ..spec import AttnInputs, AttnSpec
 
 
@@ -61,6 +63,10 @@ _FUSED = ("cudnn", "flash", "efficient")
 
 def _fused_backends():
     return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
+
+
+_SDP = {"cudnn": lambda: SDPBackend.CUDNN_ATTENTION, "flash": lambda: SDPBackend.FLASH_ATTENTION,
+        "efficient": lambda: SDPBackend.EFFICIENT_ATTENTION}
 
 
 def _can_use():
@@ -119,26 +125,31 @@ def _probe_cuda(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: 
 
 
 class SdpaBackend(dispatch.Backend):
+    """`sdpa`: whichever fused kernel PyTorch picks among cuDNN, FlashAttention-2 and memory-efficient (in that
+    priority; never MATH on CUDA), and PyTorch's default on CPU.  Named only: auto-selection measures and picks
+    the three kernels one by one (sdpa-cudnn, sdpa-flash, sdpa-efficient)."""
+
     name = "sdpa"
-    slow_on_gpu = False
-    # CPU gets flashport's own blockwise path automatically; sdpa on CPU is there when asked for.
-    auto_devices = ("cuda",)
+    auto = False
+    kernels = _FUSED            # the fused SDPA kernels this backend may use, in priority order
+    state_family = "sdpa"
+    caps = Capabilities(devices=("cuda", "cpu"), dtypes=("float16", "bfloat16", "float32", "float64"),
+                        max_head_dim=None, kinds=("dense",), paged_kvcache=False, mask_kinds=("none", "causal"),
+                        softcap=False, alibi=False, dropout=False, lse=False, gqa=_HAS_GQA, saved_state="own",
+                        notes=("causal with Sq > Sk refused (SDPA returns NaN rows)",
+                               "CUDA: float64 and deterministic backward refused (no fused kernel)",
+                               "head dims, strides and lengths: PyTorch's own can_use_* checks decide"))
 
     @property
     def capabilities(self) -> dict:
-        caps = {"materialises_scores": False, "fwd": True, "bwd": True, "varlen": False, "kvcache": False,
-                "paged_kvcache": False, "dropout": False, "alibi": False, "softcap": False,
-                "window": "unbounded or causal only", "return_lse": False, "gqa": _HAS_GQA,
-                "dtypes": {"cuda": ["float16", "bfloat16", "float32"],
-                           "cpu": ["float16", "bfloat16", "float32", "float64"]},
-                "devices": ["cuda", "cpu"]}
+        caps = self.caps.as_dict()
+        caps["sdpa_kernels"] = list(self.kernels)
         if torch.cuda.is_available():
             c = torch.backends.cuda
-            caps["cuda_kernels"] = {
-                "cudnn": bool(torch.backends.cudnn.is_available() and c.cudnn_sdp_enabled()),
-                "flash": bool(c.is_flash_attention_available() and c.flash_sdp_enabled()),
-                "efficient": bool(c.mem_efficient_sdp_enabled()),
-                "math": "never (materialises scores)"}
+            enabled = {"cudnn": bool(torch.backends.cudnn.is_available() and c.cudnn_sdp_enabled()),
+                       "flash": bool(c.is_flash_attention_available() and c.flash_sdp_enabled()),
+                       "efficient": bool(c.mem_efficient_sdp_enabled())}
+            caps["sdpa_kernels_enabled"] = {k: enabled[k] for k in self.kernels}
         return caps
 
     def availability(self) -> list[str]:
@@ -146,42 +157,29 @@ class SdpaBackend(dispatch.Backend):
             return [f"torch {torch.__version__} lacks torch.nn.attention.sdpa_kernel"]
         return []
 
-    def supports(self, spec: AttnSpec) -> list[str]:
+    def own_reasons(self, spec: AttnSpec, role: str) -> list[str]:
         r = []
-        if spec.kind != "dense":
-            r.append(f"{spec.kind} not supported (SDPA has no packed or KV-cache form)")
-        if spec.softcap > 0:
-            r.append("softcap not supported")
-        if spec.alibi is not None:
-            r.append("alibi not supported")
-        if spec.window_left != -1 or spec.window_right not in (-1, 0):
-            r.append("sliding window not supported (only unbounded or causal)")
-        if spec.dropout_p > 0:
-            r.append("dropout not supported (SDPA's RNG mask differs from flashport's Philox keep-mask)")
-        if spec.return_lse:
-            r.append("sdpa does not expose lse")
-        if spec.heads_q != spec.heads_kv and not _HAS_GQA:
-            r.append("GQA needs torch >= 2.5 (enable_gqa)")
         if spec.kind == "dense" and spec.seqlen_k == 0:
             r.append("no keys (Sk = 0): SDPA would return NaN, flashport returns zeros")
         if spec.window_right == 0 and spec.seqlen_q > spec.seqlen_k:
             r.append("causal with Sq > Sk: rows that see no key come back NaN from SDPA")
-        if spec.device.type == "cuda" and not r:
-            r += self._cuda_reasons(spec)
+        if spec.device.type == "cuda" and spec.kind == "dense" and not r:
+            r += self._cuda_reasons(spec, role)
         return r
 
-    def _cuda_reasons(self, spec: AttnSpec) -> list[str]:
+    def _cuda_reasons(self, spec: AttnSpec, role: str) -> list[str]:
         if spec.batch == 0 or spec.seqlen_q == 0:
             return ["empty batch or query: the fused kernels refuse zero-size launches"]
         if spec.dtype == torch.float64:
             return ["float64 on CUDA: no fused SDPA kernel (only the materialising MATH one)"]
-        if spec.deterministic and spec.needs_grad:
+        if role == "bwd" and spec.deterministic:
             return ["deterministic backward on CUDA: fused SDPA backward is not bitwise reproducible"]
         usable, why = _probe_cuda(spec.device, spec.dtype, spec.heads_q, spec.heads_kv, spec.head_dim,
                                   spec.head_dim_v, spec.seqlen_q, spec.seqlen_k, _causal_kind(spec),
                                   spec.needs_grad)
-        if not usable:
-            return ["no fused SDPA kernel accepts this call (MATH is never used on CUDA): " + " | ".join(why)]
+        if not any(k in usable for k in self.kernels):
+            mine = [w for w in why if w.split(":")[0] in self.kernels] or list(why)
+            return ["no fused SDPA kernel accepts this call (MATH is never used on CUDA): " + " | ".join(mine)]
         return []
 
     def run(self, spec: AttnSpec, inputs: AttnInputs):
@@ -197,7 +195,7 @@ class SdpaBackend(dispatch.Backend):
         elif kind == "lower_right":
             kw["attn_mask"] = causal_lower_right(spec.seqlen_q, spec.seqlen_k)
         if spec.device.type == "cuda":
-            out = self._run_cuda(q, k, v, kw)
+            out = self._run_cuda(q, k, v, kw, self.kernels)
         else:
             out = F.scaled_dot_product_attention(q, k, v, **kw)
         out = out.transpose(1, 2).contiguous()  # no-op when the kernel wrote [B, Sq, Hq, Dv] already
@@ -205,9 +203,9 @@ class SdpaBackend(dispatch.Backend):
         return out, lse.expand(spec.batch, spec.heads_q, spec.seqlen_q)
 
     @staticmethod
-    def _run_cuda(q, k, v, kw):
+    def _run_cuda(q, k, v, kw, kernels):
         prio = {"set_priority": True} if _SET_PRIORITY else {}
-        with sdpa_kernel(_fused_backends(), **prio):
+        with sdpa_kernel([_SDP[k]() for k in kernels], **prio):
             try:
                 return F.scaled_dot_product_attention(q, k, v, **kw)
             except RuntimeError as e:
@@ -216,3 +214,28 @@ class SdpaBackend(dispatch.Backend):
                 # The fused kernels may want a stride pattern the probe's stand-ins had; a copy fixes it
                 # (a copy of the inputs, not a materialisation of the scores).
                 return F.scaled_dot_product_attention(q.contiguous(), k.contiguous(), v.contiguous(), **kw)
+
+
+class SdpaKernelBackend(SdpaBackend):
+    """One fused SDPA kernel alone, on CUDA: chosen automatically where the selection table measured it fastest
+    (it keeps its own forward state, so forward and backward come from it together)."""
+
+    auto = True
+    caps = dataclasses.replace(SdpaBackend.caps, devices=("cuda",),
+                               dtypes=("float16", "bfloat16", "float32"), deterministic=False)
+
+    def __init__(self, kernel: str, what: str):
+        self.kernels = (kernel,)
+        self.name = f"sdpa-{kernel}"
+        self.__doc__ = f"`{self.name}`: PyTorch SDPA's {what} kernel alone, on CUDA. " + SdpaKernelBackend.__doc__
+
+    def availability(self) -> list[str]:
+        if not torch.cuda.is_available():
+            return ["no CUDA device"]
+        if _can_use()[self.kernels[0]] is None:
+            return [f"{self.kernels[0]} attention is not in this torch build"]
+        return super().availability()
+
+
+SDPA_KERNELS = [SdpaKernelBackend("cudnn", "cuDNN"), SdpaKernelBackend("flash", "FlashAttention-2"),
+                SdpaKernelBackend("efficient", "memory-efficient (xFormers)")]

@@ -8,13 +8,13 @@ flashport never fixes that choice.  kvcache calls go to flashport.kernels.decode
 from __future__ import annotations
 
 import functools
-import os
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
-from .. import dispatch
+from .. import dispatch, env
+from ..capabilities import Capabilities
+from ..kernels import versions
 from ..kernels.versions import is_tested, tested_text
 from ..spec import AttnInputs, AttnSpec
 
@@ -32,11 +32,11 @@ def _triton_version() -> Optional[str]:
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env.interpreting()
 
 
 def _allow_untested() -> bool:
-    return os.environ.get("FLASHPORT_ALLOW_UNTESTED_TRITON", "0") == "1"
+    return env.flag("FLASHPORT_ALLOW_UNTESTED_TRITON")
 
 
 # Triton's interpreter runs bf16 dots wrongly (silently garbage, not an error): refused, never run.
@@ -47,9 +47,8 @@ def _interpreter_dtype_reasons(spec: AttnSpec, interpreting: bool) -> list[str]:
     return [BF16_INTERPRETER_REASON] if interpreting and spec.dtype == torch.bfloat16 else []
 
 
-@functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return env.capability(torch.device("cuda", index))
 
 
 def _device_reasons(device: torch.device) -> list[str]:
@@ -74,73 +73,39 @@ def dropout_mask(rng_state: torch.Tensor, p: float, batch: int, heads_q: int, sq
     return dense_keep_mask(rng_state, p, batch, heads_q, sq, sk)
 
 
-@dataclass
-class _Call:
-    """Everything but q, k, v that the forward and backward launchers need (the autograd options)."""
-
-    spec: AttnSpec
-    alibi: Optional[torch.Tensor]
-    cu_seqlens_q: Optional[torch.Tensor]
-    cu_seqlens_k: Optional[torch.Tensor]
-    rng_state: Optional[torch.Tensor]
-
-    def tensors(self):
-        return dict(alibi=self.alibi, cu_seqlens_q=self.cu_seqlens_q, cu_seqlens_k=self.cu_seqlens_k,
-                    rng_state=self.rng_state)
+LOG2E = 1.4426950408889634
 
 
-class _TritonAttention(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, call: _Call):
-        from ..kernels import attn_fwd
-        out, lse, lse2 = attn_fwd.forward(call.spec, q, k, v, **call.tensors())
-        ctx.save_for_backward(q, k, v, out, lse2)
-        ctx.call = call
-        # An output nobody differentiates (lse, unless return_lse and used) arrives as None, not as zeros that
-        # autograd would allocate and the backward would subtract: two kernel launches of host time saved.
-        ctx.set_materialize_grads(False)
-        return out, lse
-
-    @staticmethod
-    def backward(ctx, dout, dlse):
-        from ..kernels import attn_bwd
-        from ..kernels.common import device_guard
-        q, k, v, out, lse2 = ctx.saved_tensors
-        if dout is None and dlse is None:
-            return None, None, None, None
-        if dout is None:   # only lse is differentiated
-            dout = torch.zeros_like(out)
-        call = ctx.call
-        with device_guard(q.device):
-            dq, dk, dv = attn_bwd.backward(call.spec, dout, q, k, v, out, lse2, dlse=dlse, **call.tensors())
-        return dq, dk, dv, None
+def lse2_of(saved: dispatch.Saved) -> torch.Tensor:
+    """The kernels' lse in log2 units (+inf where a row sees no key, so P = 0 there): the forward's own when it
+    came from these kernels, else derived from the contract's lse."""
+    if saved.private is not None:
+        return saved.private
+    lse = saved.lse.float()
+    return torch.where(lse == float("-inf"), float("inf"), lse * LOG2E)
 
 
 class TritonBackend(dispatch.Backend):
+    """flashport's portable Triton kernels (kernels/attn_fwd.py, attn_bwd.py, decode.py): every call the
+    contract allows up to head dim 256 in fp16 / bf16 / fp32 -- dense, varlen, KV cache (dense and paged),
+    every mask kind, softcap, ALiBi, dropout, lse, deterministic backward -- on CUDA compute capability
+    >= 8.0, and on CPU tensors under TRITON_INTERPRET=1 (when named; auto never picks the interpreter)."""
+
     name = "triton"
-    # Under TRITON_INTERPRET=1 it serves CPU tensors when named, but auto-selection never lands on
-    # the interpreter (a test device, orders of magnitude slower than blockwise).
     auto_devices = ("cuda",)
-    capabilities = {"materialises_scores": False, "fwd": True, "bwd": True, "varlen": True, "kvcache": True,
-                    "paged_kvcache": True, "dropout": True, "alibi": True, "softcap": True, "window": True,
-                    "deterministic_backward": True, "max_head_dim": MAX_HEAD_DIM,
-                    "dtypes": ["float16", "bfloat16", "float32"],
-                    "devices": "cuda (compute capability >= 8.0); cpu with TRITON_INTERPRET=1",
-                    "hopper_forward": "sm_90: D = 64, 128 or 256 (q/k and v alike) bf16/fp16 contiguous forward, "
-                                      "lengths a multiple of 128 from per-head-dim floors (attn_fwd_hopper.MIN_KEYS / "
-                                      "MIN_KEYS_CAUSAL), no window/softcap/ALiBi/dropout: Gluon kernel with "
-                                      "FlashAttention-3's schedule (FLASHPORT_HOPPER_FWD=0: off)",
-                    "hopper_backward": "sm_90: D = 64 or 128 bf16/fp16 contiguous backward with deterministic=False, "
-                                       "lengths >= 128 (ragged ones too: the last tiles masked), "
-                                       "no window/softcap/ALiBi/dropout: Gluon kernel "
-                                       "with FA3's 5-matmul schedule, dQ summed into float32 by TMA reduce-adds "
-                                       "(FLASHPORT_HOPPER_BWD=0: off; deterministic=True keeps the bitwise "
-                                       "reproducible Triton kernels)"}
+    state_family = "kernels"
+    caps = Capabilities(devices=("cuda", "cpu"), max_head_dim=MAX_HEAD_DIM, min_capability=(8, 0),
+                        triton_versions=versions.TESTED_TRITON,
+                        notes=("cpu: only with TRITON_INTERPRET=1, and not bfloat16 there",
+                               "KV cache: inference only, limits in kernels/decode.py"))
+
+    # The Gluon kernels call these with hopper=True (backend/gluon.py).
+    hopper = False
 
     def availability(self) -> list[str]:
         return list(_availability(_triton_version(), _interpreting(), _allow_untested()))
 
-    def supports(self, spec: AttnSpec) -> list[str]:
+    def own_reasons(self, spec: AttnSpec, role: str) -> list[str]:
         if spec.kind == "kvcache":  # the KV-cache kernel states its own limits (memoised per spec there)
             reasons = _device_reasons(spec.device) + _interpreter_dtype_reasons(spec, _interpreting())
             try:
@@ -150,18 +115,26 @@ class TritonBackend(dispatch.Backend):
             return reasons + kvcache_supports(spec)
         return list(_supports(spec, _interpreting()))
 
-    def run(self, spec: AttnSpec, inputs: AttnInputs):
+    def forward(self, spec: AttnSpec, inputs: AttnInputs):
         if spec.kind == "kvcache":
             from ..kernels.decode import kvcache_attention
-            return kvcache_attention(spec, inputs)
-        call = _Call(spec, inputs.alibi_slopes, inputs.cu_seqlens_q, inputs.cu_seqlens_k, inputs.rng_state)
+            out, lse = kvcache_attention(spec, inputs)
+            return out, lse, None
+        from ..kernels import attn_fwd
         from ..kernels.common import device_guard
         with device_guard(spec.device):
-            if spec.needs_grad:
-                return _TritonAttention.apply(inputs.q, inputs.k, inputs.v, call)
-            from ..kernels import attn_fwd
-            out, lse, _ = attn_fwd.forward(spec, inputs.q, inputs.k, inputs.v, **call.tensors())
-            return out, lse
+            return attn_fwd.forward(spec, inputs.q, inputs.k, inputs.v, alibi=inputs.alibi_slopes,
+                                    cu_seqlens_q=inputs.cu_seqlens_q, cu_seqlens_k=inputs.cu_seqlens_k,
+                                    rng_state=inputs.rng_state, hopper=self.hopper)
+
+    def backward(self, spec: AttnSpec, inputs: AttnInputs, saved: dispatch.Saved, dout, dlse):
+        from ..kernels import attn_bwd
+        from ..kernels.common import device_guard
+        with device_guard(saved.q.device):
+            return attn_bwd.backward(spec, dout, saved.q, saved.k, saved.v, saved.out, lse2_of(saved), dlse=dlse,
+                                     alibi=inputs.alibi_slopes, cu_seqlens_q=inputs.cu_seqlens_q,
+                                     cu_seqlens_k=inputs.cu_seqlens_k, rng_state=inputs.rng_state,
+                                     hopper=self.hopper)
 
 
 # Both answers depend only on the spec (a frozen, hashable dataclass), the installed Triton, the cards and

@@ -44,8 +44,11 @@ def environment(device) -> dict:
                    cudnn=torch.backends.cudnn.version())
     else:
         env["card"] = env["cpu"]
-    env["env"] = {k: os.environ[k] for k in ("FLASHPORT_BACKEND", "FLASHPORT_CHECKS", "FLASHPORT_ALLOW_TF32",
-                                             "TRITON_INTERPRET", "CUDA_VISIBLE_DEVICES") if k in os.environ}
+    from .. import env as switches
+    from .. import table
+    env["switches"] = switches.snapshot()   # every declared switch, defaults included
+    env["env"] = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES",) if k in os.environ}
+    env["selection_table"] = table.describe(device)
     return env
 
 

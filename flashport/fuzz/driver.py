@@ -18,6 +18,7 @@ from typing import Optional
 
 import torch
 
+from .. import env
 from .cases import DTYPE_NAMES, ENTRIES, draw_case
 from .variants import GPU_CLASSES, Recorder, jit_cache_keys, variant_class
 
@@ -26,7 +27,7 @@ CASE_TIMEOUT = 900.0     # seconds without a result before a worker is presumed 
 
 
 def _interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env.interpreting()
 
 
 def _dtype_names(dtypes, device: torch.device) -> tuple:

@@ -20,9 +20,9 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import os
 
 import torch
+from .. import env
 
 # label prefix -> variant class (the GPU tier asserts that each class was hit)
 CLASSES = {"fwd:": "triton_fwd", "bwd_dkdv:": "triton_bwd", "bwd_dq:": "triton_bwd", "gluon_fwd": "gluon_fwd",
@@ -157,7 +157,7 @@ class Recorder:
 
 def _kernels_usable(device) -> bool:
     dev = torch.device(device)
-    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+    if env.interpreting():
         return dev.type == "cpu"
     return dev.type == "cuda"
 

@@ -258,11 +258,13 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
 
 
 def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None,
-             dlse=None, configs=None):
+             dlse=None, configs=None, hopper=False):
     """Gradients (dq, dk, dv) shaped like q, k, v, given dO shaped like out and the forward's out and
     lse2 (its log2-domain lse, see attn_fwd.forward).
     dlse: optional gradient of the lse output (d lse / d s = P, so it folds into Delta: Delta - dlse).
-    configs: optional {"bwd_dkdv": KernelConfig, "bwd_dq": KernelConfig} to force (autotuning)."""
+    configs: optional {"bwd_dkdv": KernelConfig, "bwd_dq": KernelConfig} to force (autotuning).
+    hopper: the gluon backend's call (attn_bwd_hopper, whose spec limits its supports() checked); these kernels
+    serve instead when the tensors are not TMA-ready or the Gluon kernel failed to compile here (counted)."""
     varlen = spec.kind == "varlen"
     if do.stride(-1) != 1:
         do = do.contiguous()
@@ -275,7 +277,11 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
         return dq.zero_(), dk.zero_(), dv.zero_()
     # sm_90, deterministic=False: FlashAttention-3's 5-matmul schedule in Gluon (kernels/attn_bwd_hopper.py),
     # which adds dQ into a float32 buffer that the preprocess zeroes.
-    hopper = configs is None and not varlen and not attn_bwd_hopper.reasons(spec, q, k, v, do)
+    if hopper:
+        why = attn_bwd_hopper.tensor_reasons(q, k, v, do)
+        if why:
+            attn_bwd_hopper.fallbacks[why[0]] += 1
+            hopper = False
     dq_accum = torch.empty(q.shape, dtype=torch.float32, device=q.device) if hopper else None
     l_strides = (0, lse2.stride(0)) if varlen else (lse2.stride(0), lse2.stride(1))
     delta = torch.empty_like(lse2)
@@ -283,9 +289,11 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     if dlse is not None:
         delta.sub_(dlse)
     # None: the Gluon kernel failed to compile here and has switched itself off (the Triton kernels serve).
-    if hopper and attn_bwd_hopper.backward(spec, do, q, k, v, out, lse2, delta, dq=dq, dk=dk, dv=dv,
-                                           dq_accum=dq_accum) is not None:
-        return dq, dk, dv
+    if hopper:
+        if attn_bwd_hopper.backward(spec, do, q, k, v, out, lse2, delta, dq=dq, dk=dk, dv=dv,
+                                    dq_accum=dq_accum) is not None:
+            return dq, dk, dv
+        attn_bwd_hopper.fallbacks["compile failure"] += 1
     hq, hkv = spec.heads_q, spec.heads_kv
     a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state)
     a.cover(do, out, dq, dk, dv)

@@ -44,8 +44,8 @@ the next entry's (or, for the last entry, past the tensor, where TMA fills zeros
 """
 from __future__ import annotations
 
-import os
 import warnings
+from collections import Counter
 from typing import NamedTuple
 
 import torch
@@ -53,6 +53,7 @@ import torch.nn.functional as F
 import triton
 
 from .attn_fwd_hopper import _capability, _descriptor, feature_reasons, is_causal  # shared with the forward
+from .. import env
 from .launch import DirectLauncher
 from .versions import is_tested, tested_text
 
@@ -91,12 +92,25 @@ DEFAULT = {128: "s2_tma2_lse", 64: "s2_tma_lse"}   # per head dim (the served on
 def enabled() -> bool:
     # Gluon is experimental upstream: only the Triton releases this kernel is tested on (versions.py)
     return (gluon is not None and is_tested(triton.__version__)
-            and os.environ.get("FLASHPORT_HOPPER_BWD", "1") != "0")
+            and env.flag("FLASHPORT_HOPPER_BWD"))
 
 
 def reasons(spec, q, k, v, do, out=None) -> list[str]:
-    """Why this kernel cannot serve the backward (empty: it can).  Runs on every backward, so the
-    cheapest checks come first and the first failing one is the answer."""
+    """Why this kernel cannot serve the backward (empty: it can): spec_reasons, then tensor_reasons."""
+    return spec_reasons(spec) or tensor_reasons(*((q, k, v, do) if out is None else (q, k, v, do, out)))
+
+
+def tensor_reasons(*tensors) -> list[str]:
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
+        return ["q, k, v, dout must be contiguous and 16-byte aligned (TMA)"]
+    return []
+
+
+fallbacks: Counter = Counter()   # gluon backend -> Triton kernels, by reason (see attn_fwd_hopper.fallbacks)
+
+
+def spec_reasons(spec) -> list[str]:
+    """Why this kernel cannot serve the backward's call description (empty: it can; the tensors aside)."""
     if spec.head_dim not in DEFAULT or spec.head_dim_v != spec.head_dim:
         return [f"head dim {' / '.join(map(str, DEFAULT))} only (q/k and v alike)"]
     if spec.kind != "dense" or spec.device.type != "cuda":
@@ -118,9 +132,6 @@ def reasons(spec, q, k, v, do, out=None) -> list[str]:
         return ["failed to compile here: " + broken[(spec.dtype, spec.head_dim, is_causal(spec), spec.device)]]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return ["needs an sm_90 (Hopper) GPU"]
-    tensors = (q, k, v, do) if out is None else (q, k, v, do, out)
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
-        return ["q, k, v, dout must be contiguous and 16-byte aligned (TMA)"]
     return []
 
 

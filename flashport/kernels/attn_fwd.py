@@ -145,20 +145,23 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     tl.store(Lse2 + row_stats + offs_m, lse2, mask=offs_m < sq)
 
 
-def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None, config=None):
+def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None, config=None,
+            hopper=False):
     """Launch the forward.  Dense: q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] ->
     out [B, Sq, Hq, Dv] (q's dtype), lse [B, Hq, Sq] float32, lse2 (lse / ln 2, +inf where lse is
     -inf; what the backward reads).  Varlen: q [total_q, Hq, D] etc. -> out [total_q, Hq, Dv],
     lse and lse2 [Hq, total_q]; rows past cu_seqlens_q[-1] are zero with lse -inf.
-    config: a tuning.KernelConfig to force (autotuning); default: the table / fallback choice, or the
-    Hopper kernel of attn_fwd_hopper where it serves the call."""
+    config: a tuning.KernelConfig to force (autotuning); default: the table / fallback choice.
+    hopper: the gluon backend's call: the Gluon kernel of attn_fwd_hopper (FlashAttention-3's schedule), which
+    the backend's supports() already accepted for this spec; these kernels serve instead when the tensors are
+    not TMA-ready (strided, misaligned) or the Gluon kernel failed to compile here (counted, see fallbacks)."""
     varlen = spec.kind == "varlen"
-    if config is None and not varlen and not attn_fwd_hopper.reasons(spec, q, k, v):
-        # The Gluon kernel with FlashAttention-3's schedule serves its subset on sm_90 (kernels/attn_fwd_hopper.py);
-        # None: it failed to compile here and has switched itself off.
-        result = attn_fwd_hopper.forward(spec, q, k, v)
+    if hopper:
+        why = attn_fwd_hopper.tensor_reasons(q, k, v)
+        result = None if why else attn_fwd_hopper.forward(spec, q, k, v)
         if result is not None:
             return result
+        attn_fwd_hopper.fallbacks[why[0] if why else "compile failure"] += 1
     hq, dv = spec.heads_q, spec.head_dim_v
     if varlen:
         # Rows past cu_seqlens_q[-1] belong to no program: pre-filled here (no host sync needed).

@@ -35,13 +35,14 @@ backward reads; every row sees at least one key here, so both are finite).
 from __future__ import annotations
 
 import functools
-import os
 import warnings
+from collections import Counter
 from typing import NamedTuple
 
 import torch
 import triton
 
+from .. import env
 from .launch import Desc, DirectLauncher
 from .versions import is_tested, tested_text
 
@@ -84,7 +85,7 @@ MAX_GRID_Y = 65535      # CUDA's limit on the grid's second dimension (here batc
 def enabled() -> bool:
     # Gluon is experimental upstream: only the Triton releases this kernel is tested on (versions.py)
     return (gluon is not None and is_tested(triton.__version__)
-            and os.environ.get("FLASHPORT_HOPPER_FWD", "1") != "0")
+            and env.flag("FLASHPORT_HOPPER_FWD"))
 
 
 def min_keys(head_dim: int, causal: bool) -> int | None:
@@ -93,9 +94,8 @@ def min_keys(head_dim: int, causal: bool) -> int | None:
     return (MIN_KEYS_CAUSAL if causal else MIN_KEYS)[head_dim]
 
 
-@functools.lru_cache(maxsize=None)
 def _capability(index: int) -> tuple[int, int]:
-    return torch.cuda.get_device_capability(index)
+    return env.capability(torch.device("cuda", index))
 
 
 def is_causal(spec) -> bool:
@@ -119,9 +119,25 @@ def feature_reasons(spec) -> list[str]:
 
 
 def reasons(spec, q, k, v, length_floor: bool = True) -> list[str]:
-    """Why this kernel cannot serve the call (empty: it can).  Runs on every forward, so the cheapest
-    checks come first and the first failing one is the answer.  length_floor=False leaves out the
-    speed choice (MIN_KEYS / MIN_KEYS_CAUSAL) and keeps what the kernel needs (tools/gpu/hopper_fwd_ab.py)."""
+    """Why this kernel cannot serve the call (empty: it can): spec_reasons, then tensor_reasons."""
+    return spec_reasons(spec, length_floor) or tensor_reasons(q, k, v)
+
+
+def tensor_reasons(*tensors) -> list[str]:
+    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in tensors):
+        return ["q, k, v must be contiguous and 16-byte aligned (TMA)"]
+    return []
+
+
+# Fallbacks from the gluon backend's choice to the Triton kernels, by reason (tensors not TMA-ready, a compile
+# failure): counted, since each changes which kernel ran.
+fallbacks: Counter = Counter()
+
+
+def spec_reasons(spec, length_floor: bool = True) -> list[str]:
+    """Why this kernel cannot serve the call description (empty: it can; the tensors aside).  The first failing
+    check is the answer.  length_floor=False leaves out the speed choice (MIN_KEYS / MIN_KEYS_CAUSAL: the gluon
+    backend's static preference) and keeps what the kernel needs."""
     d = spec.head_dim
     if d not in TILES or spec.head_dim_v != d:
         return [f"head dim {' / '.join(map(str, TILES))} only (q/k and v alike)"]
@@ -145,8 +161,6 @@ def reasons(spec, q, k, v, length_floor: bool = True) -> list[str]:
         return ["failed to compile here: " + broken[(spec.dtype, d, is_causal(spec), spec.device)]]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return ["needs an sm_90 (Hopper) GPU"]
-    if not all(t.is_contiguous() and t.data_ptr() % 16 == 0 for t in (q, k, v)):
-        return ["q, k, v must be contiguous and 16-byte aligned (TMA)"]
     return []
 
 

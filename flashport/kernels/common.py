@@ -21,12 +21,12 @@ between the loops, which costs most when a program sees few tiles, e.g. causal a
 from __future__ import annotations
 
 import contextlib
-import os
 
 import torch
 import triton
 import triton.language as tl
 
+from .. import env
 from ..dropout import threshold24
 
 LOG2E = 1.4426950408889634  # host side
@@ -344,7 +344,7 @@ class KernelArgs:
         self.drop_threshold = threshold24(spec.dropout_p) if dropout else 0
         self.drop_scale = 1.0 / (1.0 - spec.dropout_p)
         if spec.dtype == torch.float32:
-            precision = "tf32" if os.environ.get("FLASHPORT_ALLOW_TF32", "0") == "1" else "ieee"
+            precision = "tf32" if env.flag("FLASHPORT_ALLOW_TF32") else "ieee"
         else:
             precision = "tf32"  # ignored for 16-bit inputs
         self.constexprs = dict(

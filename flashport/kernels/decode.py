@@ -21,7 +21,6 @@ materialized_attention(q, k_cache[:, :seqlens_k[b]], ...) with bottom-right alig
 from __future__ import annotations
 
 import functools
-import os
 from dataclasses import dataclass
 
 import torch
@@ -29,6 +28,7 @@ import triton
 import triton.language as tl
 import triton.language.extra.cuda  # noqa: F401  (tl.extra.cuda.gdc_launch_dependents)
 
+from .. import env
 from . import splitkv
 from .common import LOG2E, device_guard, key_range, score_log2
 from .merge import merge_partials
@@ -159,7 +159,7 @@ PDL_MAX_SPLITS = 48
 
 
 def _allow_tf32() -> bool:
-    return os.environ.get("FLASHPORT_ALLOW_TF32", "0") == "1"
+    return env.flag("FLASHPORT_ALLOW_TF32")
 
 
 def kvcache_supports(spec) -> list[str]:

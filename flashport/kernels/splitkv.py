@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import functools
 import math
-import os
 from dataclasses import dataclass
 
 import torch
+from .. import env
 
 MAX_SPLITS = 128
 INTERPRETER_SMS = 2          # a tiny "GPU" so the interpreter tests exercise splitting
@@ -31,7 +31,7 @@ def waves_for(paged: bool) -> int:
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env.interpreting()
 
 
 @dataclass(frozen=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 import warnings
 from dataclasses import asdict, dataclass, replace
 from dataclasses import fields as dataclass_fields
@@ -27,6 +26,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from .. import env
 
 CONFIG_PATH = Path(__file__).resolve().parent.parent / "configs" / "triton_configs.json"
 KERNELS = ("fwd", "bwd_dkdv", "bwd_dq")
@@ -45,7 +45,7 @@ INTERPRETER_CONFIG = KernelConfig(16, 16, 4, 1)
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+    return env.interpreting()
 
 
 def _config_problem(cfg) -> Optional[str]:
