@@ -149,6 +149,29 @@ def cmd_bench(args) -> int:
     return bench.run(args)
 
 
+def cmd_tune(args) -> int:
+    import torch
+
+    from .bench.shapes import gpu_suite
+    from .tune import tune
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type != "cuda":
+        print("flashport tune: needs a CUDA device (the table selects among GPU backends)")
+        return 2
+    torch.cuda.set_device(device)
+    suites = ("standard", "models") if args.suite == "all" else (args.suite,)
+    shapes = [s for name in suites for s in gpu_suite(name, args.quick)]
+    path, rows = tune(shapes, device, args.out)
+    for r in rows:
+        fwd = min(r["fwd"], key=r["fwd"].get) if r["fwd"] else "-"
+        bwd = min(r["bwd"], key=r["bwd"].get) if r["bwd"] else "-"
+        print(f"{r['label']:<44} fwd {fwd:<14} bwd {bwd:<14} {r['bucket']}")
+        for name, err in r["errors"].items():
+            print(f"  {name}: {err}")
+    print(f"wrote {path} ({len(rows)} shapes)")
+    return 0
+
+
 def _non_negative(text: str) -> int:
     n = int(text)
     if n < 0:
@@ -172,8 +195,14 @@ def main(argv=None) -> int:
     pb = sub.add_parser("bench", help="benchmark on the hardware present (JSON + PNG into --out)")
     from .bench import add_arguments
     add_arguments(pb)
+    pt = sub.add_parser("tune", help="measure every eligible backend on this card and write the selection table")
+    pt.add_argument("--suite", choices=("standard", "models", "all"), default="all")
+    pt.add_argument("--quick", action="store_true", help="the suites' smoke sizes")
+    pt.add_argument("--device", default=None, help="cuda[:N] (default: cuda if available)")
+    pt.add_argument("--out", default=None, metavar="PATH",
+                    help="table path (default: the cache directory, FLASHPORT_CACHE_DIR or ~/.cache/flashport)")
     args = p.parse_args(argv)
-    parser = {"check": pc, "bench": pb}.get(args.cmd)
+    parser = {"check": pc, "bench": pb, "tune": pt}.get(args.cmd)
     if args.cmd == "check":
         args.dtypes = parse_dtypes(pc, args.dtype)
         check_backends(pc, args.backend)
@@ -181,7 +210,7 @@ def main(argv=None) -> int:
         check_device(parser, args.device)
     if args.cmd == "bench":
         check_out_dir(pb, args.out)
-    return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench}[args.cmd](args)
+    return {"info": cmd_info, "check": cmd_check, "bench": cmd_bench, "tune": cmd_tune}[args.cmd](args)
 
 
 if __name__ == "__main__":

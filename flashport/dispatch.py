@@ -294,12 +294,8 @@ def _auto(spec: AttnSpec) -> Plan:
     plans = options(spec, tried)
     if not plans:
         raise UnsupportedError("no backend can serve this call:\n" + "\n".join(tried))
-    plan = plans[0]
-    if spec.device.type == "cuda":
-        from . import table
-        measured = table.best(spec, plans)
-        if measured is not None:
-            plan = measured
+    from . import table
+    plan = table.best(spec, plans) or plans[0]
     log.debug("flashport: %s chosen automatically for %s", plan.name, spec)
     return plan
 

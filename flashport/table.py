@@ -110,8 +110,8 @@ def active(device) -> tuple[Table | None, list[str]]:
     ck = (str(dev), setting, env.cache_dir())
     if ck in _loaded:
         return _loaded[ck]
-    if setting == "off" or dev.type != "cuda":
-        result = (None, [] if setting == "off" else [f"no table on {dev.type}: static priority"])
+    if setting == "off":
+        result = (None, [])
     else:
         want = machine_key(dev)
         paths = [Path(setting)] if setting else [user_path(dev), shipped_path(dev)]

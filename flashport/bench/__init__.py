@@ -37,6 +37,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU job: torch threads per worker (default: torch's own, all cores); on a shared, busy "
                         "machine 1 avoids OpenMP spin-wait stalls that swamp small tiled ops")
     p.add_argument("--tag", default="", help="suffix for the output file names")
+    p.add_argument("--auto-vs-best", action="store_true",
+                   help="GPU: instead of the peers, time every eligible backend and backend=None per cell, forward "
+                        "and backward (flashport/tune.py), into bench_<suite>_autobest.json")
     p.add_argument("--match", default=None, metavar="REGEX",
                    help="GPU: only the suite's shapes whose label matches (e.g. 's1024 h16 d128'), to re-measure a cell")
 
@@ -84,6 +87,8 @@ def run(args: argparse.Namespace) -> int:
         shapes = gpu_suite(suite, args.quick)
         if args.match:
             shapes = [s for s in shapes if re.search(args.match, s.label())]
+        if args.auto_vs_best:
+            return _auto_vs_best(suite, shapes, device, args, t0)
         ceil = ceilings(device)
         n = sum(len([i for i in impls if s.kind != "decode" or i in peers.DECODE]) for s in shapes)
         bar, tick = _progress(n, f"{suite}: flashport vs peers")
@@ -110,4 +115,31 @@ def run(args: argparse.Namespace) -> int:
     if doc.get("flashport_first_call_s") is not None:
         print(f"first flashport call (compile + autotune): {doc['flashport_first_call_s']:.2f} s")
     print(f"wrote {json_path} and {png_path} ({doc['wall_s']} s)")
+    return 0
+
+
+def _auto_vs_best(suite, shapes, device, args, t0) -> int:
+    from .. import table as selection
+    from .. import tune
+    from . import report
+    dense = [s for s in shapes if s.kind == "dense"]
+    bar, tick = _progress(len(dense), f"{suite}: auto vs every backend")
+    rows = []
+    path = os.path.join(args.out, f"bench_{suite}_autobest" + (f"_{args.tag}" if args.tag else "") + ".json")
+    for shape in dense:
+        rows.append(tune.measure_shape(shape, device, with_auto=True))
+        tick()
+        cells = tune.auto_vs_best(rows)
+        doc = report.document(suite, device, [], {}, time.perf_counter() - t0)
+        doc["auto_vs_best"] = {"cells": cells, "min_ratio": min((c["ratio"] for c in cells), default=None),
+                               "min_choice_ratio": min((c["choice_ratio"] for c in cells
+                                                        if c["choice_ratio"] is not None), default=None),
+                               "table": selection.describe(device), "rows": rows}
+        report.write_json(doc, path)
+    if bar is not None:
+        bar.close()
+    for c in cells:
+        print(f"{c['label']:<44} {c['mode']}  auto {c['auto_plan']:<14} {c['auto_ms']:8.3f} ms  best {c['best']:<14} "
+              f"{c['best_ms']:8.3f} ms  ratio {c['ratio']:.3f} choice {c['choice_ratio'] or 0:.3f}")
+    print(f"min ratio {doc['auto_vs_best']['min_ratio']}; wrote {path}")
     return 0

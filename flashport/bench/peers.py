@@ -19,7 +19,7 @@ import torch.nn.functional as F
 import flashport
 from .shapes import Shape
 
-DENSE = ("flashport-triton", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient", "flex")
+DENSE = ("flashport-triton", "flashport", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient", "flex")
 DECODE = ("flashport-triton", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient")
 
 
@@ -98,10 +98,23 @@ def _block_mask(shape: Shape, device):
 
 
 # ----------------------------------------------------------------------------- builders
+def own_kernels(q, k, v, causal: bool) -> str:
+    """The plan name ("gluon", "gluon/triton", "triton") of flashport's own kernels for this call."""
+    from flashport import dispatch
+    from flashport.spec import dense_spec
+    spec = dense_spec(q, k, v, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)[0]
+    ours = [p for p in dispatch.options(spec) if {p.fwd.name, p.bwd.name} <= {"gluon", "triton"}]
+    return ours[0].name if ours else "triton"
+
+
 def dense_fn(impl: str, shape: Shape, q, k, v) -> Callable[[], torch.Tensor]:
     """fn() -> out [B, Sq, Hq, D] for a dense problem."""
-    if impl == "flashport-triton":
-        return lambda: flashport.attention(q, k, v, causal=shape.causal, backend="triton")
+    if impl == "flashport-triton":   # our kernels (Gluon where it serves, else Triton), as the static priority picks
+        name = own_kernels(q, k, v, shape.causal)
+        return lambda: flashport.attention(q, k, v, causal=shape.causal, backend=name)
+    if impl == "flashport":           # backend=None: what a user gets (the selection table, else static priority)
+        return lambda: flashport.attention(q, k, v, causal=shape.causal)
     if impl.startswith("sdpa-"):
         return lambda: _sdpa(q, k, v, shape.causal, shape)
     if impl == "flex":

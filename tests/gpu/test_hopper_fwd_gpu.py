@@ -53,7 +53,7 @@ SERVED = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", SERVED, ids=str)
 def test_served_calls_conform(case, dtype, served):
-    check_dense("triton", case.replace(dtype=dtype), DEV, grads=True)
+    check_dense(None, case.replace(dtype=dtype), DEV, grads=True)
     assert served, "the Hopper kernel did not serve this call"
 
 
@@ -71,7 +71,7 @@ DECLINED = [
 
 @pytest.mark.parametrize("case", DECLINED, ids=str)
 def test_declined_calls_run_the_triton_kernel(case, served):
-    check_dense("triton", case.replace(dtype=torch.bfloat16), DEV, grads=False)
+    check_dense(None, case.replace(dtype=torch.bfloat16), DEV, grads=False)
     assert not served
 
 
@@ -93,7 +93,7 @@ def test_served_at_the_shipped_length_floor(causal, d, monkeypatch):
         calls.append(result is not None)
         return result
     monkeypatch.setattr(attn_fwd_hopper, "forward", spy)
-    check_dense("triton", Case(b=1, sq=s, sk=s, hq=2, hkv=1, d=d, causal=causal, dtype=torch.bfloat16), DEV,
+    check_dense(None, Case(b=1, sq=s, sk=s, hq=2, hkv=1, d=d, causal=causal, dtype=torch.bfloat16), DEV,
                 grads=False)
     assert calls and all(calls)
 
@@ -115,7 +115,7 @@ def test_short_sequences_stay_on_the_triton_kernel(d):
 def test_switch_off_and_agreement_with_the_triton_kernel(d, served, monkeypatch):
     case = Case(b=2, sq=512, sk=512, hq=8, hkv=2, d=d, causal=True, dtype=torch.bfloat16)
     q, k, v, _, slopes = make_inputs(case, DEV)
-    kw = dict(kwargs_of(case, slopes), backend="triton", return_lse=True)
+    kw = dict(kwargs_of(case, slopes), backend=None, return_lse=True)
     out, lse = flashport.attention(q, k, v, **kw)
     again, _ = flashport.attention(q, k, v, **kw)
     assert len(served) == 2 and torch.equal(out, again)             # deterministic
