@@ -158,6 +158,8 @@ def cmd_tune(args) -> int:
     if device.type != "cuda":
         print("flashport tune: needs a CUDA device (the table selects among GPU backends)")
         return 2
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     suites = ("standard", "models") if args.suite == "all" else (args.suite,)
     shapes = [s for name in suites for s in gpu_suite(name, args.quick)]

@@ -49,11 +49,21 @@ def machine_key(device) -> dict:
     dev = torch.device(device)
     if dev.type == "cuda":
         key["gpu"] = env.device_name(dev)
-        key["cuda_driver"] = torch._C._cuda_getDriverVersion()
+        key["driver"] = _driver_version()
         key["cudnn"] = torch.backends.cudnn.version()
     else:
         key["gpu"] = None
     return key
+
+
+def _driver_version() -> str | None:
+    """The NVIDIA kernel driver's version (e.g. "580.159.04"), from /proc on Linux; None elsewhere."""
+    try:
+        text = Path("/proc/driver/nvidia/version").read_text()
+    except OSError:
+        return None
+    m = re.search(r"Kernel Module(?: for [a-z0-9_]+)?\s+([0-9.]+)", text)
+    return m.group(1) if m else None
 
 
 def _slug(name: str | None) -> str:

@@ -46,7 +46,9 @@ def measure_shape(shape, device, with_auto: bool = False) -> dict:
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     spec_f = _spec(q, k, v, shape.causal, False)
     res = {"label": shape.label(), "bucket": table.bucket(spec_f), "fwd": {}, "bwd": {}, "errors": {}}
-    names = [p.fwd.name for p in dispatch.options(spec_f)]
+    # PyTorch-op-speed backends (blockwise) never win on a GPU: not timed there (tens of ms per cell)
+    slow = {n for n, b in dispatch._REGISTRY.items() if b.slow_on_gpu} if device.type == "cuda" else set()
+    names = [p.fwd.name for p in dispatch.options(spec_f) if p.fwd.name not in slow]
     if train:
         spec_b = _spec(q, k, v, shape.causal, True)
         bwd_names = {p.bwd.name for p in dispatch.options(spec_b)}

@@ -1,0 +1,121 @@
+"""Selection (issue [6]): mixed forward / backward plans, strict names, the measured table and its key.
+The case matrix comes from the backends' own declarations."""
+import json
+import warnings
+
+import pytest
+import torch
+
+import flashport
+from flashport import capabilities, dispatch, table
+from flashport.backend.blockwise import BlockwiseBackend
+from flashport.spec import dense_spec
+
+KW = dict(softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+          deterministic=False, return_lse=False)
+
+
+def _qkv(grad=True, dtype=torch.float32):
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(2, 19, h, 16, generator=g, dtype=dtype).requires_grad_(grad) for h in (4, 2, 2)]
+
+
+def _grads(backend, causal=True):
+    q, k, v = _qkv()
+    out, lse = flashport.attention(q, k, v, causal=causal, return_lse=True, backend=backend)
+    (out.sum() + lse.sum()).backward()
+    return out, lse, q.grad, k.grad, v.grad
+
+
+@pytest.mark.parametrize("plan", ["blockwise/reference", "reference/blockwise"])
+def test_forward_from_one_backend_backward_from_another(plan):
+    ref = _grads("reference")
+    got = _grads(plan)
+    assert dispatch.select(dense_spec(*_qkv(), causal=True, **KW)[0], plan).name == plan
+    for a, b in zip(got, ref):
+        torch.testing.assert_close(a, b, atol=2e-5, rtol=1e-4)
+
+
+def test_strict_names():
+    q, k, v = _qkv(grad=False)
+    with flashport.use_backend("sdpa-cudnn"), pytest.raises(flashport.UnsupportedError, match="sdpa-cudnn"):
+        flashport.attention(q, k, v)
+    with pytest.raises(flashport.UnsupportedError, match="own forward state"):
+        flashport.attention(q, k, v, backend="sdpa/blockwise")
+    with pytest.raises(flashport.UnsupportedError, match="unknown backend"):
+        flashport.attention(q, k, v, backend="blockwise/nope")
+    with flashport.use_backend("blockwise/reference"):
+        flashport.attention(*_qkv(), causal=True).sum().backward()
+
+
+def test_disabled_backend_is_refused_by_name(monkeypatch):
+    monkeypatch.setenv("FLASHPORT_DISABLE", "blockwise")
+    with pytest.raises(flashport.UnsupportedError, match="FLASHPORT_DISABLE"):
+        flashport.attention(*_qkv(grad=False), backend="blockwise")
+
+
+class _Fake(BlockwiseBackend):
+    name = "fake-fast"
+
+
+def _spec():
+    return dense_spec(*_qkv(grad=False), causal=True, **KW)[0]
+
+
+def test_a_tuned_table_is_read_by_its_key(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHPORT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(dispatch._REGISTRY, "fake-fast", _Fake())
+    spec = _spec()
+    assert dispatch.select(spec).name == "blockwise"          # static priority: registration order
+    table.save(table.user_path("cpu"), "cpu", {table.bucket(spec): {"fwd": {"blockwise": 2.0, "fake-fast": 1.0},
+                                                                     "bwd": {}}})
+    assert dispatch.select(spec).name == "fake-fast"
+    assert table.describe("cpu")["status"] == "in force"
+
+
+def test_a_stale_table_is_ignored_with_a_warning(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHPORT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(dispatch._REGISTRY, "fake-fast", _Fake())
+    spec = _spec()
+    path = table.save(table.user_path("cpu"), "cpu", {table.bucket(spec): {"fwd": {"fake-fast": 1.0}, "bwd": {}}})
+    doc = json.loads(open(path).read())
+    doc["key"]["torch"] = "0.0.1"
+    open(path, "w").write(json.dumps(doc))
+    table.reload()
+    dispatch.clear_cache()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert dispatch.select(spec).name == "blockwise"
+    assert any("stale" in str(w.message) for w in caught)
+
+
+def _declared_cases():
+    """(backend, dtype, mask kind) for every pairing a CPU backend declares."""
+    for b in dispatch._REGISTRY.values():
+        if b.availability() or "cpu" not in b.caps.devices:
+            continue
+        for dtype in b.caps.dtypes:
+            for mk in capabilities.MASK_KINDS:
+                yield b.name, dtype, mk
+
+
+WINDOWS = {"none": dict(causal=False, window_size=(-1, -1)), "causal": dict(causal=True, window_size=(-1, -1)),
+           "window": dict(causal=False, window_size=(3, 2))}
+
+
+@pytest.mark.parametrize("name, dtype, mk", list(_declared_cases()))
+def test_declarations_are_honest(name, dtype, mk):
+    b = dispatch.get(name)
+    q, k, v = _qkv(grad=False, dtype=getattr(torch, dtype))
+    kw = {**KW, **WINDOWS[mk]}
+    spec = dense_spec(q, k, v, **kw)[0]
+    reasons = b.supports(spec)
+    if mk not in b.caps.mask_kinds:
+        assert reasons, (name, mk)
+        return
+    if reasons:   # a backend may add its own reasons on top of the declaration (e.g. the interpreter's bf16)
+        pytest.skip("; ".join(reasons))
+    out = flashport.attention(q, k, v, backend=name, **{x: kw[x] for x in ("causal", "window_size")})
+    ref = flashport.attention(q.double(), k.double(), v.double(), backend="reference",
+                              **{x: kw[x] for x in ("causal", "window_size")})
+    torch.testing.assert_close(out.double(), ref, atol=3e-2 if dtype in ("float16", "bfloat16") else 1e-5, rtol=0)
