@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -83,14 +84,9 @@ def tune(shapes, device, path=None, tick=lambda: None) -> tuple[str, list[dict]]
     device = torch.device(device)
     rows = []
     path = path or table.user_path(device)
-    buckets = {}
-    try:
-        import json
-        old = json.loads(open(path).read())
-        if old.get("key") == table.machine_key(device):
-            buckets = old.get("buckets", {})
-    except (OSError, ValueError):
-        pass
+    # measurements of this machine already there are kept (merged per bucket); table._read says which count
+    old, _ = table._read(Path(path), table.machine_key(device)) if Path(path).exists() else (None, None)
+    buckets = old.buckets if old is not None else {}
     for shape in shapes:
         if shape.kind != "dense":
             continue

@@ -61,12 +61,12 @@ _SET_PRIORITY = sdpa_kernel is not None and "set_priority" in inspect.signature(
 _FUSED = ("cudnn", "flash", "efficient")
 
 
-def _fused_backends():
-    return [SDPBackend.CUDNN_ATTENTION, SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION]
-
-
 _SDP = {"cudnn": lambda: SDPBackend.CUDNN_ATTENTION, "flash": lambda: SDPBackend.FLASH_ATTENTION,
         "efficient": lambda: SDPBackend.EFFICIENT_ATTENTION}
+
+
+def _fused_backends():
+    return [_SDP[k]() for k in _FUSED]
 
 
 def _can_use():
