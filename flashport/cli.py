@@ -163,7 +163,7 @@ def cmd_tune(args) -> int:
     torch.cuda.set_device(device)
     suites = ("standard", "models") if args.suite == "all" else (args.suite,)
     shapes = [s for name in suites for s in gpu_suite(name, args.quick)]
-    path, rows = tune(shapes, device, args.out)
+    path, rows = tune(shapes, device, args.out, rounds=args.rounds)
     for r in rows:
         fwd = min(r["fwd"], key=r["fwd"].get) if r["fwd"] else "-"
         bwd = min(r["bwd"], key=r["bwd"].get) if r["bwd"] else "-"
@@ -201,6 +201,7 @@ def main(argv=None) -> int:
     pt.add_argument("--suite", choices=("standard", "models", "all"), default="all")
     pt.add_argument("--quick", action="store_true", help="the suites' smoke sizes")
     pt.add_argument("--device", default=None, help="cuda[:N] (default: cuda if available)")
+    pt.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per shape (default 3)")
     pt.add_argument("--out", default=None, metavar="PATH",
                     help="table path (default: the cache directory, FLASHPORT_CACHE_DIR or ~/.cache/flashport)")
     args = p.parse_args(argv)

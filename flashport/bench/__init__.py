@@ -40,6 +40,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-vs-best", action="store_true",
                    help="GPU: instead of the peers, time every eligible backend and backend=None per cell, forward "
                         "and backward (flashport/tune.py), into bench_<suite>_autobest.json")
+    p.add_argument("--rounds", type=int, default=5,
+                   help="--auto-vs-best: interleaved timing rounds per cell (default 5)")
     p.add_argument("--match", default=None, metavar="REGEX",
                    help="GPU: only the suite's shapes whose label matches (e.g. 's1024 h16 d128'), to re-measure a cell")
 
@@ -127,11 +129,14 @@ def _auto_vs_best(suite, shapes, device, args, t0) -> int:
     rows = []
     path = os.path.join(args.out, f"bench_{suite}_autobest" + (f"_{args.tag}" if args.tag else "") + ".json")
     for shape in dense:
-        rows.append(tune.measure_shape(shape, device, with_auto=True))
+        rows.append(tune.measure_shape(shape, device, with_auto=True, rounds=args.rounds))
         tick()
         cells = tune.auto_vs_best(rows)
         doc = report.document(suite, device, [], {}, time.perf_counter() - t0)
         doc["auto_vs_best"] = {"cells": cells, "min_ratio": min((c["ratio"] for c in cells), default=None),
+                               "min_ratio_by_mode": {m: min(c["ratio"] for c in cells if c["mode"] == m)
+                                                     for m in dict.fromkeys(c["mode"] for c in cells)},
+                               "rounds": args.rounds,
                                "min_choice_ratio": min((c["choice_ratio"] for c in cells
                                                         if c["choice_ratio"] is not None), default=None),
                                "table": selection.describe(device), "rows": rows}
@@ -141,5 +146,6 @@ def _auto_vs_best(suite, shapes, device, args, t0) -> int:
     for c in cells:
         print(f"{c['label']:<44} {c['mode']}  auto {c['auto_plan']:<14} {c['auto_ms']:8.3f} ms  best {c['best']:<14} "
               f"{c['best_ms']:8.3f} ms  ratio {c['ratio']:.3f} choice {c['choice_ratio'] or 0:.3f}")
-    print(f"min ratio {doc['auto_vs_best']['min_ratio']}; wrote {path}")
+    print(f"min ratio {doc['auto_vs_best']['min_ratio']} (by mode {doc['auto_vs_best']['min_ratio_by_mode']}); "
+          f"wrote {path}")
     return 0
