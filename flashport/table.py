@@ -22,6 +22,7 @@ from . import env
 from .capabilities import mask_kind
 
 FORMAT = 1
+ROLES = ("fwd", "fwd_train", "bwd")   # inference forward, forward with grads, backward; ms per backend
 SHIPPED = Path(__file__).parent / "configs"
 
 
@@ -104,7 +105,7 @@ def _read(path: Path, want: dict) -> tuple[Table | None, str | None]:
     for name, entry in doc["buckets"].items():
         if isinstance(entry, dict):
             buckets[str(name)] = {role: {str(b): float(ms) for b, ms in (entry.get(role) or {}).items()
-                                         if isinstance(ms, (int, float)) and ms > 0} for role in ("fwd", "bwd")}
+                                         if isinstance(ms, (int, float)) and ms > 0} for role in ROLES}
     return Table(str(path), key, buckets), None
 
 
@@ -147,13 +148,15 @@ def reload() -> None:
 
 
 def best(spec, plans):
-    """The plan with the smallest measured time (forward, plus backward when the call needs grads) among
-    `plans`, or None when the table has no bucket for the call or no measurement of any plan."""
+    """The plan with the smallest measured time among `plans` -- the inference forward; or, when the call
+    needs grads, the training forward (the inference one where that was not measured) plus the backward --
+    or None when the table has no bucket for the call or no measurement of any plan."""
     table, _ = active(spec.device)
     entry = table.entry(spec) if table is not None else None
     if not entry:
         return None
-    fwd, bwd = entry["fwd"], entry["bwd"]
+    fwd = {**entry["fwd"], **entry["fwd_train"]} if spec.needs_grad else entry["fwd"]
+    bwd = entry["bwd"]
     scored = []
     for i, plan in enumerate(plans):
         if plan.fwd.name not in fwd or (spec.needs_grad and plan.bwd.name not in bwd):
@@ -175,7 +178,7 @@ def describe(device) -> dict:
 
 
 def save(path, device, buckets: dict, meta: dict | None = None) -> str:
-    """Write a table measured on `device`: {bucket: {"fwd": {backend: ms}, "bwd": {backend: ms}}}."""
+    """Write a table measured on `device`: {bucket: {role: {backend: ms}}} for the roles in ROLES."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"format": FORMAT, "key": machine_key(device), "meta": meta or {}, "buckets": buckets}

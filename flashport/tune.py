@@ -20,66 +20,79 @@ from .api import attention
 from .spec import dense_spec
 
 
-def _ms(fn, device, rep: int = 100) -> float:
-    if device.type == "cuda":
-        from .bench.timing import gpu_ms
-        return gpu_ms(fn, rep=rep)
-    fn()
-    times = []
-    for _ in range(5):
-        t0 = time.perf_counter()
-        fn()
-        times.append((time.perf_counter() - t0) * 1e3)
-    return statistics.median(times)
-
-
 def _spec(q, k, v, causal: bool, needs_grad: bool):
     return dense_spec(q if needs_grad else q.detach(), k if needs_grad else k.detach(),
                       v if needs_grad else v.detach(), causal=causal, softmax_scale=None, window_size=(-1, -1),
                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)[0]
 
 
-CLOSE = 1.15   # later rounds re-time only the contenders within 15% of the round's best
+CLOSE = 1.15           # later rounds time only the contenders within 15% of the best so far, and auto
+ROUND_MS = (100.0, 400.0)   # device time per round: the first (every name) and each later one
+ITERS = ((3, 10), (5, 100))  # iterations per round, at least / at most: (first round), (later rounds)
 
 
-def interleaved(makers: dict, device, rounds: int, errors: dict) -> tuple[dict, dict]:
-    """Median ms per name over `rounds` interleaved rounds -> ({name: median}, {name: [ms per round]}).
+def _one_call_ms(fn, device) -> float:
+    from .bench.timing import sync
+    sync(device)
+    t0 = time.perf_counter()
+    fn()
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
 
-    makers[name]() builds the timed callable (a backward's graph is built per round and dropped after it).
-    Round 1 times every name; later rounds only the contenders within CLOSE of the best and the names
-    starting with "auto", so a sub-millisecond cell's verdict rests on several samples taken side by side
-    (host jitter moves one do_bench run by 10-40% there) at a fraction of the cost of re-timing everything.
-    A name that raises is dropped and its error kept in `errors`."""
-    samples: dict = {n: [] for n in makers}
+
+def interleaved(makers: dict, device, rounds: int, errors: dict, timer=None) -> tuple[dict, dict]:
+    """Median ms per name -> ({name: median}, {name: [ms per sample]}).
+
+    makers[name]() builds the timed callable; each is called once first (compilation, autotuning, and
+    a failure there drops the name, its error kept in `errors`).  Round 1 times every name side by side
+    (timing.paired_ms: a few iterations, each running every name after an L2 flush, order rotated);
+    later rounds time only the contenders within CLOSE of the best and the names starting with "auto",
+    with many more iterations.  Separate do_bench runs of one kernel drift 5-10% apart on a sub-millisecond
+    cell; side-by-side samples put the drift on every name alike."""
+    if timer is None:
+        from .bench.timing import paired_ms
+        timer = lambda fns, iters: paired_ms(fns, iters, device)  # noqa: E731
+    built, est = {}, {}
+    for name, make in makers.items():
+        try:
+            fn = make()
+            fn()
+            est[name] = max(_one_call_ms(fn, device), 1e-3)
+            built[name] = fn
+        except Exception as e:  # noqa: BLE001 - recorded; the backend is then not a candidate here
+            errors[name] = f"{type(e).__name__}: {e}"[:300]
+    samples: dict = {n: [] for n in built}
     for r in range(max(1, rounds)):
         med = {n: statistics.median(t) for n, t in samples.items() if t}
         top = min((m for n, m in med.items() if not n.startswith("auto")), default=None)
-        live = [n for n in makers if n not in errors and
-                (r == 0 or n.startswith("auto") or (n in med and med[n] <= CLOSE * top))]
-        if r > 0 and len(live) < 2:
+        live = [n for n in built if r == 0 or n.startswith("auto") or (n in med and med[n] <= CLOSE * top)]
+        if not live or (r > 0 and len(live) < 2):
             break
-        for name in live:
-            try:
-                fn = makers[name]()
-                samples[name].append(_ms(fn, device, rep=100 if r == 0 else 50))
-                del fn
-            except Exception as e:  # noqa: BLE001 - recorded; the backend is then not a candidate here
-                errors[name] = f"{type(e).__name__}: {e}"[:300]
+        lo, hi = ITERS[min(r, 1)]
+        iters = int(min(hi, max(lo, ROUND_MS[min(r, 1)] / sum(est[n] for n in live))))
+        try:
+            for n, t in timer({n: built[n] for n in live}, iters).items():
+                samples[n] += t
+        except Exception as e:  # noqa: BLE001 - a failure mid-round: the round's names are reported
+            for n in live:
+                errors.setdefault(n, f"timing: {type(e).__name__}: {e}"[:300])
+            break
+    built.clear()
     samples = {n: t for n, t in samples.items() if t and n not in errors}
     return {n: statistics.median(t) for n, t in samples.items()}, samples
 
 
-def measure_shape(shape, device, with_auto: bool = False, rounds: int = 3) -> dict:
-    """{"bucket", "fwd": {backend: ms}, "bwd": {backend: ms}, "samples", "errors"} and, with_auto, the plan
-    that backend=None takes and its times, measured in the same rounds ("auto": {"plan_fwd", "plan_bwd",
-    "fwd", "fwd_train", "bwd"}; fwd_train is the forward of the training plan)."""
+def measure_shape(shape, device, with_auto: bool = False, rounds: int = 2) -> dict:
+    """{"bucket", "fwd", "fwd_train", "bwd": {backend: ms}, "plans", "samples", "errors"} and, with_auto, the
+    plans backend=None takes and their times, measured side by side with the backends ("auto": {"plan_fwd",
+    "fwd", "plan_bwd", "fwd_train", "bwd"}).  fwd: inference forward; fwd_train: the forward with grads."""
     from .bench import peers
     train = "bwd" in shape.modes
     q, k, v = peers.make_inputs(shape, device, requires_grad=train)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
     spec_f = _spec(q, k, v, shape.causal, False)
-    res = {"label": shape.label(), "bucket": table.bucket(spec_f), "fwd": {}, "bwd": {}, "samples": {},
-           "errors": {}}
+    res = {"label": shape.label(), "bucket": table.bucket(spec_f), "fwd": {}, "fwd_train": {}, "bwd": {},
+           "samples": {}, "errors": {}}
     # PyTorch-op-speed backends (blockwise) never win on a GPU: not timed there (tens of ms per cell)
     slow = {n for n, b in dispatch._REGISTRY.items() if b.slow_on_gpu} if device.type == "cuda" else set()
     names = list(dict.fromkeys(p.fwd.name for p in dispatch.options(spec_f) if p.fwd.name not in slow))
@@ -94,35 +107,35 @@ def measure_shape(shape, device, with_auto: bool = False, rounds: int = 3) -> di
             return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
         return make
 
-    f_makers = {n: fwd(n) for n in names}
-    if with_auto:
-        f_makers["auto"] = fwd(None)
-    res["fwd"], res["samples"]["fwd"] = interleaved(f_makers, device, rounds, res["errors"])
+    def fwd_train(name):
+        return lambda: (lambda: attention(q, k, v, causal=shape.causal, backend=name))
+
+    auto = {"auto": None} if with_auto else {}
+    res["fwd"], res["samples"]["fwd"] = interleaved(
+        {n: fwd(n) for n in names} | {a: fwd(None) for a in auto}, device, rounds, res["errors"])
     if train:
         spec_b = _spec(q, k, v, shape.causal, True)
         plans = dispatch.options(spec_b)
-        bwd_names = {p.bwd.name for p in plans}
         res["plans"] = [[p.fwd.name, p.bwd.name] for p in plans]
-        b_makers = {n: bwd(n) for n in names if n in bwd_names and n not in res["errors"]}
-        if with_auto:
-            b_makers["auto"] = bwd(None)
-            # the forward of the training plan (it may differ from the inference one)
-            b_makers["auto_fwd_train"] = lambda: (lambda: attention(q, k, v, causal=shape.causal))
-        res["bwd"], res["samples"]["bwd"] = interleaved(b_makers, device, rounds, res["errors"])
+        # a training forward may cost more than an inference one (cuDNN's saves its softmax stats)
+        f_names = [n for n in dict.fromkeys(p.fwd.name for p in plans) if n in names]
+        b_names = [n for n in dict.fromkeys(p.bwd.name for p in plans) if n in names]
+        res["fwd_train"], res["samples"]["fwd_train"] = interleaved(
+            {n: fwd_train(n) for n in f_names} | {a: fwd_train(None) for a in auto}, device, rounds, res["errors"])
+        res["bwd"], res["samples"]["bwd"] = interleaved(
+            {n: bwd(n) for n in b_names} | {a: bwd(None) for a in auto}, device, rounds, res["errors"])
     if with_auto:
-        auto = {"plan_fwd": dispatch.select(spec_f).name, "fwd": res["fwd"].pop("auto", None)}
+        res["auto"] = {"plan_fwd": dispatch.select(spec_f).name, "fwd": res["fwd"].pop("auto", None)}
         if train:
-            auto["plan_bwd"] = dispatch.select(spec_b).name
-            auto["bwd"] = res["bwd"].pop("auto", None)
-            auto["fwd_train"] = res["bwd"].pop("auto_fwd_train", None)
-        res["auto"] = auto
+            res["auto"].update(plan_bwd=dispatch.select(spec_b).name, bwd=res["bwd"].pop("auto", None),
+                               fwd_train=res["fwd_train"].pop("auto", None))
     del q, k, v, qd, kd, vd
     if device.type == "cuda":
         torch.cuda.empty_cache()
     return res
 
 
-def tune(shapes, device, path=None, tick=lambda: None, rounds: int = 3) -> tuple[str, list[dict]]:
+def tune(shapes, device, path=None, tick=lambda: None, rounds: int = 2) -> tuple[str, list[dict]]:
     """Measure `shapes` and write the table (merged into the existing one at `path`, if any)."""
     device = torch.device(device)
     rows = []
@@ -135,9 +148,9 @@ def tune(shapes, device, path=None, tick=lambda: None, rounds: int = 3) -> tuple
             continue
         r = measure_shape(shape, device, rounds=rounds)
         rows.append(r)
-        entry = buckets.setdefault(r["bucket"], {"fwd": {}, "bwd": {}})
-        for role in ("fwd", "bwd"):
-            entry[role].update(r[role])
+        entry = buckets.setdefault(r["bucket"], {})
+        for role in table.ROLES:
+            entry.setdefault(role, {}).update(r.get(role) or {})
         # saved after every shape: a run cut short keeps what it measured
         table.save(path, device, buckets, meta={"shapes": [x["label"] for x in rows]})
         tick()
@@ -165,8 +178,9 @@ def auto_vs_best(rows: list[dict]) -> list[dict]:
                         "auto_plan": plan, "auto_ms": auto[role], "ratio": r[role][best] / auto[role],
                         "choice_ratio": r[role][best] / r[role][chosen] if chosen in r[role] else None,
                         "measured": dict(r[role])})
-        steps = {f if f == b else f"{f}/{b}": r["fwd"][f] + r["bwd"][b] for f, b in r.get("plans", [])
-                 if f in r["fwd"] and b in r["bwd"]}
+        ftr = r.get("fwd_train") or {}
+        steps = {f if f == b else f"{f}/{b}": ftr[f] + r["bwd"][b] for f, b in r.get("plans", [])
+                 if f in ftr and b in r["bwd"]}
         if steps and auto.get("bwd") is not None and auto.get("fwd_train") is not None:
             best = min(steps, key=steps.get)
             plan = auto["plan_bwd"]

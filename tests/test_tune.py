@@ -1,4 +1,6 @@
-"""`flashport tune` / `bench --auto-vs-best` measurement logic (issue [6]), on CPU with a fake clock."""
+"""`flashport tune` / `bench --auto-vs-best` measurement logic (issue [6]), on CPU with a fake timer."""
+import json
+
 import pytest
 import torch
 
@@ -6,39 +8,44 @@ from flashport import tune
 from flashport.bench.shapes import Shape
 
 
-def test_interleaved_rounds_retime_only_contenders(monkeypatch):
-    # each maker's callable returns its own "time"; the fake clock reads it
+def test_interleaved_rounds_retime_only_contenders():
+    # each callable returns its name; the fake timer hands out that name's next "time"
     clock = {"a": [1.0, 1.1, 0.9], "b": [1.05, 1.0, 1.2], "c": [3.0], "auto": [1.02, 1.0, 1.01]}
-    calls = {n: 0 for n in clock}
+    rounds = []
 
-    def fake_ms(fn, device, rep=100):
-        n = fn()
-        t = clock[n][calls[n]]
-        calls[n] += 1
-        return t
+    def timer(fns, iters):
+        rounds.append(sorted(fns))
+        return {n: [clock[fn()].pop(0)] for n, fn in fns.items()}
 
-    monkeypatch.setattr(tune, "_ms", fake_ms)
     errors = {}
     makers = {n: (lambda n=n: (lambda: n)) for n in clock}
-    med, samples = tune.interleaved(makers, torch.device("cpu"), 3, errors)
-    assert calls == {"a": 3, "b": 3, "c": 1, "auto": 3}      # c is > 15% behind after round 1: timed once
+    med, samples = tune.interleaved(makers, torch.device("cpu"), 3, errors, timer=timer)
+    # c is > 15% behind after round 1: timed once; auto is always timed
+    assert rounds == [["a", "auto", "b", "c"], ["a", "auto", "b"], ["a", "auto", "b"]]
     assert med == {"a": 1.0, "b": 1.05, "c": 3.0, "auto": 1.01}
     assert samples["a"] == [1.0, 1.1, 0.9] and not errors
 
 
-def test_interleaved_drops_a_failing_backend(monkeypatch):
-    monkeypatch.setattr(tune, "_ms", lambda fn, device, rep=100: fn())
-
+def test_interleaved_drops_a_failing_backend():
     def broken():
         raise RuntimeError("no kernel for this shape")
 
     errors = {}
-    med, _ = tune.interleaved({"ok": lambda: (lambda: 2.0), "bad": broken}, torch.device("cpu"), 3, errors)
+    timer = lambda fns, iters: {n: [2.0] * iters for n in fns}  # noqa: E731
+    med, _ = tune.interleaved({"ok": lambda: (lambda: None), "bad": broken}, torch.device("cpu"), 3, errors,
+                              timer=timer)
     assert med == {"ok": 2.0} and "no kernel" in errors["bad"]
 
 
+def test_paired_timer_rotates_the_order():
+    from flashport.bench.timing import paired_ms
+    order = []
+    got = paired_ms({n: (lambda n=n: order.append(n)) for n in "xyz"}, 3, "cpu")
+    assert order == list("xyzyzxzxy") and all(len(t) == 3 for t in got.values())
+
+
 def test_step_cells_compare_whole_training_plans():
-    row = {"label": "x", "fwd": {"g": 1.0, "s": 1.2}, "bwd": {"t": 3.0, "s": 2.9},
+    row = {"label": "x", "fwd": {"g": 1.0, "s": 1.2}, "fwd_train": {"g": 1.0, "s": 1.2}, "bwd": {"t": 3.0, "s": 2.9},
            "plans": [["g", "t"], ["s", "s"]],
            "auto": {"plan_fwd": "g", "fwd": 1.0, "plan_bwd": "g/t", "bwd": 3.0, "fwd_train": 1.0}}
     cells = {c["mode"]: c for c in tune.auto_vs_best([row])}
@@ -53,7 +60,26 @@ def test_step_cells_compare_whole_training_plans():
 def test_measure_shape_times_auto_with_the_backends_on_cpu():
     shape = Shape("t", 1, 32, 32, 2, 2, 16, causal=True, dtype="float32")
     r = tune.measure_shape(shape, torch.device("cpu"), with_auto=True, rounds=2)
-    assert "blockwise" in r["fwd"] and "blockwise" in r["bwd"] and not r["errors"]
+    assert all("blockwise" in r[role] for role in ("fwd", "fwd_train", "bwd")) and not r["errors"]
     assert r["auto"]["plan_fwd"] == "blockwise" and r["auto"]["fwd"] > 0 and r["auto"]["fwd_train"] > 0
     modes = {c["mode"] for c in tune.auto_vs_best([r])}
     assert modes == {"fwd", "bwd", "step"}
+
+
+def test_training_calls_are_chosen_by_their_training_forward(monkeypatch, tmp_path):
+    from flashport import dispatch, table
+    from flashport.spec import dense_spec
+    q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+    spec = dense_spec(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                      alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)[0]
+    plans = [dispatch.Plan(dispatch.get("blockwise"), dispatch.get("blockwise")),
+             dispatch.Plan(dispatch.get("reference"), dispatch.get("blockwise"))]
+    # reference's inference forward is faster, but its training forward is not
+    entry = {"fwd": {"blockwise": 2.0, "reference": 1.0}, "fwd_train": {"blockwise": 2.0, "reference": 5.0},
+             "bwd": {"blockwise": 1.0}}
+    path = tmp_path / "t.json"
+    path.write_text(json.dumps({"format": table.FORMAT, "key": table.machine_key("cpu"),
+                                "buckets": {table.bucket(spec): entry}}))
+    monkeypatch.setenv("FLASHPORT_TABLE", str(path))
+    table.reload()
+    assert table.best(spec, plans) is plans[0]

@@ -105,6 +105,38 @@ def gpu_graph_ms(fn: Callable[[], object], warmup: int = 3, rep_ms: float = 100.
     return ms, None
 
 
+def paired_ms(fns: dict, iters: int, device) -> dict:
+    """{name: [ms per iteration]} for several callables timed side by side: each iteration runs every fn once,
+    in an order rotated by one per iteration, each after an L2 flush and between its own CUDA events (the
+    events are read after the last iteration, so the host never waits).  Clock, thermal and host drift then
+    fall on every fn alike, and their ratio is steadier than that of separate do_bench runs (which drift
+    5-10% apart on a sub-millisecond H200 cell).  On a CPU, wall-clock per call."""
+    names = list(fns)
+    cuda = torch.device(device).type == "cuda"
+    out: dict = {n: [] for n in names}
+    if not cuda:
+        for i in range(iters):
+            for n in names[i % len(names):] + names[:i % len(names)]:
+                t0 = time.perf_counter()
+                fns[n]()
+                out[n].append((time.perf_counter() - t0) * 1e3)
+        return out
+    flush = _l2_flush(torch.device("cuda", torch.cuda.current_device()))
+    events = []
+    for i in range(iters):
+        for n in names[i % len(names):] + names[:i % len(names)]:
+            flush.zero_()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fns[n]()
+            end.record()
+            events.append((n, start, end))
+    torch.cuda.synchronize()
+    for n, start, end in events:
+        out[n].append(start.elapsed_time(end))
+    return out
+
+
 HOST_BOUND_MS = 5.0   # cells longer than this are GPU-bound whatever the host does: host time not measured
 
 
