@@ -5,6 +5,7 @@ import argparse
 import json
 import os
 import platform
+import re
 import sys
 
 def info_dict() -> dict:
@@ -162,7 +163,8 @@ def cmd_tune(args) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
     suites = ("standard", "models") if args.suite == "all" else (args.suite,)
-    shapes = [s for name in suites for s in gpu_suite(name, args.quick)]
+    shapes = [s for name in suites for s in gpu_suite(name, args.quick)
+              if args.match is None or re.search(args.match, s.label())]
     path, rows = tune(shapes, device, args.out, rounds=args.rounds)
     for r in rows:
         fwd = min(r["fwd"], key=r["fwd"].get) if r["fwd"] else "-"
@@ -201,6 +203,8 @@ def main(argv=None) -> int:
     pt.add_argument("--suite", choices=("standard", "models", "all"), default="all")
     pt.add_argument("--quick", action="store_true", help="the suites' smoke sizes")
     pt.add_argument("--device", default=None, help="cuda[:N] (default: cuda if available)")
+    pt.add_argument("--match", default=None, metavar="REGEX",
+                    help="only the shapes whose label matches; merged into the table at --out")
     pt.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per shape (default 3)")
     pt.add_argument("--out", default=None, metavar="PATH",
                     help="table path (default: the cache directory, FLASHPORT_CACHE_DIR or ~/.cache/flashport)")
