@@ -2,10 +2,12 @@
 from .api import attention, attention_varlen, attention_with_kvcache, merge_attention_states
 from .contents import DeviceError, check_errors
 from .dispatch import BackendInfo, UnsupportedError, backends, use_backend
+from .monitor import reset_stats, stats
+from .rollout import guard, quarantined, release_quarantine
 from . import backend as _backend  # noqa: F401  (registers the built-in backends, in auto order)
 
 __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_attention_states",
            "backends", "use_backend", "UnsupportedError", "BackendInfo", "DeviceError", "check_errors",
-           "__version__"]
+           "stats", "reset_stats", "guard", "quarantined", "release_quarantine", "__version__"]

@@ -1,10 +1,12 @@
 """Public entry points: validate -> spec -> dispatch -> backend.  See ../DESIGN.md for the contract."""
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
-from . import dispatch
-from .contents import guard
+from . import dispatch, monitor, rollout
+from .contents import guard as guard_contents
 from .dropout import draw_rng_state
 from .kvcache import append_kv, restore_kv
 from .merge import merge_states_torch, validate_states
@@ -21,6 +23,32 @@ def _with_rng(spec, inputs):
     return inputs
 
 
+def _serve(spec, inputs, plan, fallback):
+    """Run the plan inside its profiler range, count it, and let the guard sample it."""
+    name = plan.fwd.name
+    monitor.add(name, calls=1, forward=1, fallbacks=int(fallback), flops=monitor.flops(spec),
+                bytes_read=monitor.bytes_read(inputs))
+    monitor.peak(name, plan.fwd.extra_bytes(spec, "fwd"))
+    if spec.needs_grad:
+        monitor.peak(plan.bwd.name, plan.bwd.extra_bytes(spec, "bwd"))
+    own = spec.needs_grad and plan.fwd.caps.saved_state == "own"
+    if own:   # its backward runs in its own autograd: bracket it to give it a range and a count
+        rng, q, k, v = monitor.bracket_inputs(spec, name, inputs.q, inputs.k, inputs.v)
+        inputs = dataclasses.replace(inputs, q=q, k=k, v=v)
+    try:
+        with monitor.ranged(spec, name):
+            out, lse = plan.run(spec, inputs)
+    except Exception:
+        monitor.add(name, errors=1)
+        raise
+    if own:
+        out = monitor.bracket_output(rng, out)
+    check, tolerance = rollout.sampled()
+    if check:
+        rollout.check(spec, inputs, out, name, tolerance)
+    return out, lse
+
+
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
               alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False, backend=None):
     """Exact softmax attention.  q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv].
@@ -33,8 +61,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     spec, inputs = dense_spec(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                               softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                               deterministic=deterministic, return_lse=return_lse)
-    impl = dispatch.select(spec, backend)
-    out, lse = impl.run(spec, _with_rng(spec, inputs))
+    plan, fallback = dispatch.select_counted(spec, backend)
+    out, lse = _serve(spec, _with_rng(spec, inputs), plan, fallback)
     return _finish(out, lse, return_lse)
 
 
@@ -48,8 +76,8 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
                                softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                                alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic,
                                return_lse=return_lse)
-    impl = dispatch.select(spec, backend)
-    out, lse = impl.run(spec, _with_rng(spec, guard(spec, inputs)))
+    plan, fallback = dispatch.select_counted(spec, backend)
+    out, lse = _serve(spec, _with_rng(spec, guard_contents(spec, inputs)), plan, fallback)
     return _finish(out, lse, return_lse)
 
 
@@ -64,14 +92,14 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
         q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table, causal=causal,
         softmax_scale=softmax_scale, window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes,
         return_lse=return_lse)
-    impl = dispatch.select(spec, backend)  # a rejected call writes nothing into the cache
+    plan, fallback = dispatch.select_counted(spec, backend)  # a rejected call writes nothing into the cache
     table = inputs.block_table   # as given (the append skips out-of-range entries itself), before guard clamps it
-    inputs = guard(spec, inputs, cache_seqlens)
+    inputs = guard_contents(spec, inputs, cache_seqlens)
     with torch.no_grad():
         # The slots the append overwrites come back, so a call that fails after it leaves the cache as it was.
         saved = append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, table, save=True)
         try:
-            out, lse = impl.run(spec, inputs)
+            out, lse = _serve(spec, inputs, plan, fallback)
         except BaseException:
             restore_kv(k_cache, v_cache, saved, cache_seqlens, table)
             raise

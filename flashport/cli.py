@@ -33,7 +33,9 @@ def info_dict() -> dict:
         d["device"] = "cpu"
     from . import env, table
     d["switches"] = {name: {"value": env.value(name), "set": env.raw(name) is not None, "default": sw.default,
-                            "meaning": sw.meaning} for name, sw in env.SWITCHES.items()}
+                            "source": env.source(name), "meaning": sw.meaning} for name, sw in env.SWITCHES.items()}
+    d["config_file"] = {"path": env.config_path(), "exists": os.path.exists(env.config_path()),
+                        "notes": list(env.config_notes())}
     d["selection_table"] = table.describe("cuda" if torch.cuda.is_available() else "cpu")
     d["backends"] = [{"name": b.name, "available": b.available, "reasons": b.reasons,
                       "capabilities": b.capabilities} for b in flashport.backends()]
@@ -54,10 +56,14 @@ def cmd_info(args) -> int:
                   f"{g['sm_count']} SMs, {g['memory_gib']} GiB")
     else:
         print("device    cpu (no CUDA device)")
-    print("switches (value, default, meaning):")
+    cf = d["config_file"]
+    print(f"config file: {cf['path']}" + ("" if cf["exists"] else " (none)"))
+    for n in cf["notes"]:
+        print(f"  note: {n}")
+    print("effective configuration (value, where it comes from, meaning):")
     for name, sw in d["switches"].items():
         mark = "*" if sw["set"] else " "
-        print(f" {mark}{name:<32} {sw['value'] or '-':<6} (default {sw['default'] or '-'}) {sw['meaning']}")
+        print(f" {mark}{name:<32} {sw['value'] or '-':<8} {sw['source']:<12} {sw['meaning']}")
     t = d["selection_table"]
     print(f"selection table: {t['status']}" + (f" ({t['path']}, {t['buckets']} buckets)" if t.get("path") else ""))
     for w in t.get("warnings", []):

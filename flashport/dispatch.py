@@ -20,7 +20,9 @@ import warnings
 from collections import Counter
 from dataclasses import dataclass, field
 
-from . import capabilities, env
+import torch
+
+from . import capabilities, env, rollout
 from .capabilities import Capabilities
 from .spec import AttnSpec
 
@@ -97,6 +99,16 @@ class Backend:
         """Static priority: False where another backend is known to be faster (used where no table fits)."""
         return True
 
+    def extra_bytes(self, spec: AttnSpec, role: str = "fwd") -> int:
+        """Working memory one call allocates beyond its inputs (for stats()): the output and lse forward,
+        dq, dk, dv and the row statistics backward.  A backend that allocates more says so."""
+        item = torch.finfo(spec.dtype).bits // 8
+        rows = spec.batch * spec.seqlen_q * spec.heads_q
+        if role == "fwd":
+            return rows * (spec.head_dim_v * item + 4)
+        keys = spec.batch * spec.seqlen_k * spec.heads_kv
+        return rows * (spec.head_dim * item + 8) + keys * (spec.head_dim + spec.head_dim_v) * item
+
     def forward(self, spec: AttnSpec, inputs):
         raise NotImplementedError
 
@@ -132,12 +144,24 @@ _forced: contextvars.ContextVar[str | None] = contextvars.ContextVar("flashport_
 fallback_counts: Counter = Counter()  # auto landings on slow paths on a GPU, by backend name
 _warned: set = set()
 _memo: dict = {}
+MEMO_SIZE = 4096      # distinct call descriptions remembered; the oldest half is dropped beyond it
 
 
-def register(backend: Backend) -> Backend:
-    _REGISTRY[backend.name] = backend
+def register(backend: Backend, first: bool = False) -> Backend:
+    """Add (or replace) a backend.  Static priority is registration order; `first=True` puts it ahead of
+    every built-in one (a candidate kernel under rollout, which the guard then watches)."""
+    global _REGISTRY
+    if first:
+        _REGISTRY = {backend.name: backend, **{n: b for n, b in _REGISTRY.items() if n != backend.name}}
+    else:
+        _REGISTRY[backend.name] = backend
     clear_cache()
     return backend
+
+
+def unregister(name: str) -> None:
+    _REGISTRY.pop(name, None)
+    clear_cache()
 
 
 def clear_cache() -> None:
@@ -186,8 +210,11 @@ def _disabled() -> frozenset:
     return frozenset(n.strip() for n in env.value("FLASHPORT_DISABLE").split(",") if n.strip())
 
 
-def _disabled_reasons(name: str) -> list[str]:
-    return ["disabled by FLASHPORT_DISABLE"] if name in _disabled() else []
+def _disabled_reasons(name: str, quarantine: bool = True) -> list[str]:
+    if name in _disabled():
+        return ["disabled by FLASHPORT_DISABLE"]
+    why = rollout.is_quarantined(name) if quarantine else None
+    return [f"quarantined ({why}; flashport.release_quarantine({name!r}) takes it back)"] if why else []
 
 
 def _parse(name) -> tuple[Backend, Backend]:
@@ -205,8 +232,8 @@ def _parse(name) -> tuple[Backend, Backend]:
     return b, b
 
 
-def _reasons(b: Backend, spec: AttnSpec, role: str) -> list[str]:
-    return b.availability() or _disabled_reasons(b.name) or b.supports(spec, role)
+def _reasons(b: Backend, spec: AttnSpec, role: str, quarantine: bool = True) -> list[str]:
+    return b.availability() or _disabled_reasons(b.name, quarantine) or b.supports(spec, role)
 
 
 # Switches that change an answer; read at every call (a few dict lookups) and part of the memo key.
@@ -215,17 +242,28 @@ _KEY_SWITCHES = ("FLASHPORT_DISABLE", "FLASHPORT_HOPPER_FWD", "FLASHPORT_HOPPER_
 
 
 def select(spec: AttnSpec, backend: str | None = None) -> Plan:
+    return select_counted(spec, backend)[0]
+
+
+def select_counted(spec: AttnSpec, backend: str | None = None) -> tuple[Plan, bool]:
+    """(plan, fallback): fallback is True where auto took this plan only because its first choice is
+    quarantined or because no fast GPU backend serves the call (stats() counts those calls)."""
     name = _requested(backend)
-    key = (spec, name, tuple(env.raw(s) for s in _KEY_SWITCHES))
-    plan = _memo.get(key)
-    if plan is None:
-        plan = _named(spec, name) if name is not None else _auto(spec)
-        _memo[key] = plan
+    key = (spec, name, env.raws(_KEY_SWITCHES))
+    hit = _memo.get(key)
+    if hit is None:
+        hit = (_named(spec, name), False) if name is not None else _auto(spec)
+        if len(_memo) >= MEMO_SIZE:   # bounded: a server that sees every sequence length must not grow
+            for k in list(_memo)[:MEMO_SIZE // 2]:
+                del _memo[k]
+        _memo[key] = hit
+    plan, fallback = hit
     if spec.device.type == "cuda" and name is None:
         for b in {plan.fwd, plan.bwd} if spec.needs_grad else {plan.fwd}:
             if b.slow_on_gpu:
                 _warn_slow(b, spec)
-    return plan
+                fallback = True
+    return plan, fallback
 
 
 def _named(spec: AttnSpec, name: str) -> Plan:
@@ -241,10 +279,12 @@ def _named(spec: AttnSpec, name: str) -> Plan:
     return Plan(f, b)
 
 
-def _candidates(spec: AttnSpec, tried: list) -> list[Backend]:
+def _candidates(spec: AttnSpec, tried: list, quarantine: bool = True) -> list[Backend]:
     out = []
     for b in _REGISTRY.values():
-        if not b.auto:
+        if quarantine and rollout.is_quarantined(b.name):
+            tried.append(f"  - {b.name}: quarantined ({rollout.is_quarantined(b.name)})")
+        elif not b.auto:
             tried.append(f"  - {b.name}: never chosen automatically (name it to use it)")
         elif b.auto_devices and spec.device.type not in b.auto_devices:
             tried.append(f"  - {b.name}: not chosen automatically on {spec.device.type} (name it to use it)")
@@ -255,14 +295,15 @@ def _candidates(spec: AttnSpec, tried: list) -> list[Backend]:
     return out
 
 
-def options(spec: AttnSpec, tried: list | None = None) -> list[Plan]:
-    """Every plan auto-selection may take for `spec`, in static-priority order (preferred first)."""
+def options(spec: AttnSpec, tried: list | None = None, quarantine: bool = True) -> list[Plan]:
+    """Every plan auto-selection may take for `spec`, in static-priority order (preferred first);
+    quarantine=False: as if no backend were quarantined."""
     tried = [] if tried is None else tried
-    cands = _candidates(spec, tried)
+    cands = _candidates(spec, tried, quarantine)
     fwd_ok, bwd_ok = [], []
     for b in cands:
-        rf = _reasons(b, spec, "fwd")
-        rb = _reasons(b, spec, "bwd") if spec.needs_grad else []
+        rf = _reasons(b, spec, "fwd", quarantine)
+        rb = _reasons(b, spec, "bwd", quarantine) if spec.needs_grad else []
         if rf:
             tried.append(f"  - {b.name}: " + "; ".join(rf))
         elif rb and b.caps.saved_state == "own":
@@ -289,19 +330,28 @@ def options(spec: AttnSpec, tried: list | None = None) -> list[Plan]:
     return plans
 
 
-def _auto(spec: AttnSpec) -> Plan:
+def _auto(spec: AttnSpec) -> tuple[Plan, bool]:
     tried: list = []
     plans = options(spec, tried)
     if not plans:
         raise UnsupportedError("no backend can serve this call:\n" + "\n".join(tried))
     from . import table
-    plan = table.best(spec, plans) or plans[0]
-    log.debug("flashport: %s chosen automatically for %s", plan.name, spec)
-    return plan
+    plan = table.best(spec, plans)
+    how = "from the selection table" if plan is not None else "by static priority"
+    plan = plan or plans[0]
+    fallback = False
+    if rollout._quarantined:
+        every = options(spec, [], quarantine=False)
+        first = table.best(spec, every) or every[0]
+        fallback = first.name != plan.name
+    if log.isEnabledFor(logging.DEBUG):
+        log.debug("flashport: %s chosen automatically (%s%s) for %s; candidates %s; not eligible:\n%s", plan.name,
+                  how, ", a fallback" if fallback else "", spec, [p.name for p in plans], "\n".join(tried) or "  none")
+    return plan, fallback
 
 
 def _warn_slow(b: Backend, spec: AttnSpec) -> None:
-    fallback_counts[b.name] += 1
+    fallback_counts[b.name] += 1   # monitor.stats() counts the call itself
     if b.name not in _warned:
         _warned.add(b.name)
         tried: list = []

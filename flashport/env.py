@@ -1,9 +1,16 @@
-"""Environment switches and device facts, in one place.
+"""Environment switches, the config file, and device facts, in one place.
 
-Every environment variable flashport reads is declared here with its default and meaning; the
-switches are read at each call (a test or a serving process may flip one between calls), and
-`snapshot()` is what `flashport info` and every bench JSON record.  Device facts (compute
-capability, SM count, shared memory) cannot change inside a process, so they are cached.
+Every switch flashport reads is declared here with its default and meaning.  A switch's value comes
+from the environment, else from the TOML config file (`FLASHPORT_CONFIG`, else
+$XDG_CONFIG_HOME/flashport/config.toml or ~/.config/flashport/config.toml), else its default; the
+environment is read at each call (a test or a serving process may flip one between calls), the file
+once per path (`reload_config()` re-reads it).  `snapshot()` and `sources()` are what `flashport info`
+and every bench JSON record.  Device facts (compute capability, SM count, shared memory) cannot change
+inside a process, so they are cached.
+
+Config file keys are the switch names, or the same names lower-case without the prefix:
+    disable = ["sdpa-flash", "triton"]     # lists join with ","; true/false become "1"/"0"
+    FLASHPORT_TABLE = "off"
 """
 from __future__ import annotations
 
@@ -33,15 +40,111 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_TABLE", "", "path of an auto-selection table to use instead of the cache's or the shipped one; "
                                   "'off': static priority only"),
     Switch("FLASHPORT_CACHE_DIR", "", "cache directory (tuned tables); default ~/.cache/flashport"),
+    Switch("FLASHPORT_GUARD", "0", "fraction of calls the guard re-checks against `reference` (0: off; "
+                                   "flashport.guard() overrides it)"),
+    Switch("FLASHPORT_GUARD_TOLERANCE", "", "the guard's largest allowed max |error| (empty: the contract's rule)"),
+    Switch("FLASHPORT_RANGES", "1", "0: no profiler / NVTX ranges around calls (to measure what they cost)"),
+    Switch("FLASHPORT_CONFIG", "", "path of the TOML config file (default ~/.config/flashport/config.toml)"),
     Switch("TRITON_INTERPRET", "0", "1: Triton's interpreter runs the kernels on CPU tensors (tests)"),
 )}
+_ENV_ONLY = ("FLASHPORT_CONFIG", "TRITON_INTERPRET")   # never read from the file
+
+
+def config_path() -> str:
+    p = os.environ.get("FLASHPORT_CONFIG")
+    if p:
+        return p
+    base = os.environ.get("XDG_CONFIG_HOME") or os.path.join(os.path.expanduser("~"), ".config")
+    return os.path.join(base, "flashport", "config.toml")
+
+
+def _as_str(v) -> str:
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, (list, tuple)):
+        return ",".join(str(x) for x in v)
+    return str(v)
+
+
+@functools.lru_cache(maxsize=8)
+def _config(path: str) -> tuple[dict, tuple[str, ...]]:
+    """({switch name: value}, notes) from the file at `path`; no file -> ({}, ()).  A file that does not
+    parse, or an unknown key, is a note (warned once per load), not an error: a typo must not stop every
+    call."""
+    values, notes = _parse(path)
+    if notes:
+        import warnings
+        for n in notes:
+            warnings.warn(f"flashport config: {n}", RuntimeWarning, stacklevel=3)
+    return values, notes
+
+
+def _parse(path: str) -> tuple[dict, tuple[str, ...]]:
+    try:
+        with open(path, "rb") as f:
+            text = f.read()
+    except FileNotFoundError:
+        return {}, ()
+    except OSError as e:
+        return {}, (f"{path}: unreadable ({e}); ignored",)
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    try:
+        doc = tomllib.loads(text.decode("utf-8"))
+    except (ValueError, UnicodeDecodeError) as e:
+        return {}, (f"{path}: not valid TOML ({e}); ignored",)
+    values, notes = {}, []
+    for key, v in doc.items():
+        name = key if key in SWITCHES else "FLASHPORT_" + key.upper()
+        if name not in SWITCHES or name in _ENV_ONLY:
+            notes.append(f"{path}: unknown key {key!r} ignored (known: "
+                         f"{', '.join(n.removeprefix('FLASHPORT_').lower() for n in SWITCHES if n not in _ENV_ONLY)})")
+        elif isinstance(v, dict):
+            notes.append(f"{path}: key {key!r} must be a string, number, boolean or list; ignored")
+        else:
+            values[name] = _as_str(v)
+    return values, tuple(notes)
+
+
+def reload_config() -> None:
+    _config.cache_clear()
+
+
+def config_values() -> dict:
+    return _config(config_path())[0]
+
+
+def config_notes() -> tuple[str, ...]:
+    return _config(config_path())[1]
 
 
 def raw(name: str) -> str | None:
-    """The variable as set, or None when unset (an empty string is a value, e.g. an unknown backend name)."""
+    """The switch as set in the environment, else in the config file; None when neither sets it (an empty
+    string is a value, e.g. an unknown backend name)."""
     if name not in SWITCHES:
         raise KeyError(f"undeclared switch {name!r}: declare it in flashport.env.SWITCHES")
-    return os.environ.get(name)
+    v = os.environ.get(name)
+    if v is None and name not in _ENV_ONLY:
+        v = _config(config_path())[0].get(name)
+    return v
+
+
+def raws(names: tuple) -> tuple:
+    """raw() of several switches, reading the config file's values once (the dispatcher's memo key)."""
+    cfg = _config(config_path())[0]
+    get = os.environ.get
+    return tuple(v if (v := get(n)) is not None else (None if n in _ENV_ONLY else cfg.get(n)) for n in names)
+
+
+def source(name: str) -> str:
+    """Where a switch's value comes from: "environment", "config <path>" or "default"."""
+    if os.environ.get(name) is not None:
+        return "environment"
+    if name not in _ENV_ONLY and name in config_values():
+        return f"config {config_path()}"
+    return "default"
 
 
 def value(name: str) -> str:
@@ -66,6 +169,11 @@ def cache_dir() -> str:
 def snapshot() -> dict:
     """Every switch's value in force (defaults included), for reports."""
     return {name: value(name) for name in SWITCHES}
+
+
+def sources() -> dict:
+    """Every switch's origin (see `source`), for reports."""
+    return {name: source(name) for name in SWITCHES}
 
 
 def _index(device: torch.device) -> int:

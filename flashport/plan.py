@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from . import monitor
 from .dispatch import Plan, Saved
 
 
@@ -41,8 +42,15 @@ class _Attention(torch.autograd.Function):
         if dout is None:   # only lse is differentiated
             dout = torch.zeros_like(out)
         call = ctx.call
+        name = call.plan.bwd.name
         saved = Saved(q, k, v, out, lse, private[0] if private else None, call.plan.fwd.name)
-        dq, dk, dv = call.plan.bwd.backward(call.spec, call.inputs, saved, dout, dlse)
+        monitor.add(name, backward=1, flops=monitor.flops(call.spec, "bwd"))
+        try:
+            with monitor.ranged(call.spec, name, backward=True):
+                dq, dk, dv = call.plan.bwd.backward(call.spec, call.inputs, saved, dout, dlse)
+        except Exception:
+            monitor.add(name, errors=1)
+            raise
         return dq, dk, dv, None
 
 

@@ -13,14 +13,24 @@ if os.environ.get("PYTEST_XDIST_WORKER"):
 
 import pytest  # noqa: E402
 
+# The suite must not read the developer's own ~/.config/flashport/config.toml; tests that need a config
+# file point FLASHPORT_CONFIG at their own.
+os.environ.setdefault("FLASHPORT_CONFIG", os.path.join(os.path.dirname(__file__), "no-such-config.toml"))
+
 
 @pytest.fixture(autouse=True)
 def _fresh_selection():
     """Dispatch memoises its choices per call description; a test that patches a backend must not see
     a choice memoised before the patch (nor leave one behind)."""
-    from flashport import dispatch, table
+    from flashport import dispatch, env, monitor, rollout, table
     dispatch.clear_cache()
     table.reload()
+    env.reload_config()
     yield
+    rollout._setting[0] = None
+    rollout._acc[0] = 0.0
+    rollout.release_quarantine()
+    monitor.reset_stats()
+    env.reload_config()
     dispatch.clear_cache()
     table.reload()

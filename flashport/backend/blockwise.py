@@ -317,6 +317,11 @@ class BlockwiseBackend(dispatch.Backend):
     caps = Capabilities(devices=("cuda", "cpu", "mps", "xpu"), dtypes=DTYPES, max_head_dim=None,
                         notes=("varlen and KV cache read lengths on the host (a sync on a GPU)",))
 
+    def extra_bytes(self, spec: AttnSpec, role: str = "fwd") -> int:
+        # plus about four float32 score tiles alive at once (s, p, and the backward's dp, ds)
+        return super().extra_bytes(spec, role) + 4 * 4 * min(TILE_ELEMENTS, max(1, spec.batch * spec.heads_q)
+                                                             * BLOCK_M * BLOCK_N)
+
     def forward(self, spec: AttnSpec, inputs: AttnInputs):
         call, opt = _call(spec, inputs)
         if spec.kind == "kvcache":

@@ -21,10 +21,13 @@ from ..spec import AttnInputs, AttnSpec, dense_spec
 def materialized_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi: Optional[torch.Tensor] = None,
                            left: int = -1, right: int = -1, seqlens_k: Optional[torch.Tensor] = None,
                            keep: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
-                           compute_dtype: torch.dtype = torch.float64):
+                           compute_dtype: torch.dtype = torch.float64, rows: Optional[torch.Tensor] = None,
+                           seqlen_q=None):
     """q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> out [B, Sq, Hq, Dv] (q's dtype),
     lse [B, Hq, Sq] float32.  alibi [B, Hq] float32; seqlens_k [B] valid keys per batch entry
-    (bottom-right alignment uses them); keep [B, Hq, Sq, Sk] bool keep-mask for dropout."""
+    (bottom-right alignment uses them); keep [B, Hq, Sq, Sk] bool keep-mask for dropout.
+    rows / seqlen_q: q holds only these query rows (int64 [Sq]) of a call with seqlen_q rows (an int or a
+    tensor; the alignment and ALiBi use it), as the guard checks a few rows of a large call."""
     b, sq, hq, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -35,14 +38,15 @@ def materialized_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi
     s = scale * (qf @ kf.transpose(-1, -2))                         # [B, Hq, Sq, Sk]
     if softcap > 0:
         s = softcap * torch.tanh(s / softcap)
-    i = torch.arange(sq, device=q.device)[:, None]
+    i = (torch.arange(sq, device=q.device) if rows is None else rows.to(torch.int64))[:, None]
     j = torch.arange(sk, device=q.device)[None, :]
+    sq_full = sq if seqlen_q is None else seqlen_q
     skv = sk if seqlens_k is None else seqlens_k.to(torch.int64)[:, None, None, None]
     if seqlens_k is not None:  # cache slots past the valid length may hold garbage, even NaN, and 0 * NaN = NaN
         vf = torch.where(torch.arange(sk, device=q.device)[None, None, :, None] < skv, vf, torch.zeros_like(vf))
     if alibi is not None:
-        s = s + alibi_bias(alibi[:, :, None, None].to(cd), i, j, sq, skv).to(cd)
-    vis = visible(i, j, sq, skv, left, right)
+        s = s + alibi_bias(alibi[:, :, None, None].to(cd), i, j, sq_full, skv).to(cd)
+    vis = visible(i, j, sq_full, skv, left, right)
     vis = vis.expand(b, hq, sq, sk) if vis.dim() == 4 else vis.expand(b, hq, sq, sk)
     # A finite fill keeps empty rows free of NaN in forward and backward: their l is 0, so p = 0,
     # out = 0 and lse = -inf, and every gradient through them is exactly zero.
@@ -92,6 +96,10 @@ class ReferenceBackend(dispatch.Backend):
     slow_on_gpu = True
     caps = Capabilities(devices=("cuda", "cpu", "mps", "xpu"), dtypes=DTYPES, max_head_dim=None,
                         materialises_scores=True)
+
+    def extra_bytes(self, spec: AttnSpec, role: str = "fwd") -> int:
+        # the float64 scores and three temporaries of their size (filled, exp, probabilities)
+        return super().extra_bytes(spec, role) + 4 * 8 * spec.batch * spec.heads_q * spec.seqlen_q * spec.seqlen_k
 
     def forward(self, spec: AttnSpec, inputs: AttnInputs):
         out, lse = self._forward(spec, inputs)

@@ -42,6 +42,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "and backward (flashport/tune.py), into bench_<suite>_autobest.json")
     p.add_argument("--rounds", type=int, default=5,
                    help="--auto-vs-best: interleaved timing rounds per cell (default 5)")
+    p.add_argument("--trace", default=None, metavar="PATH",
+                   help="GPU: after the timed runs, one forward+backward of every cell (backend=None) under "
+                        "torch.profiler, written as a Chrome trace (.json or .json.gz)")
     p.add_argument("--match", default=None, metavar="REGEX",
                    help="GPU: only the suite's shapes whose label matches (e.g. 's1024 h16 d128'), to re-measure a cell")
 
@@ -104,6 +107,11 @@ def run(args: argparse.Namespace) -> int:
             report.write_json(part, partial_path)
         entries = gpu.run_suite(suite, shapes, impls, device, ceil, tick, checkpoint)
         table = report.gpu_table(entries)
+        if args.trace:
+            from .trace import trace
+            ranges = trace(shapes, device, args.trace)
+            print(f"trace: {args.trace}: " + (", ".join(f"{n} x{c}" for n, c in sorted(ranges.items()))
+                                               or "no flashport ranges (FLASHPORT_RANGES=0?)"))
     if bar is not None:
         bar.close()
     doc = report.document(suite, device, entries, ceil, time.perf_counter() - t0)

@@ -47,6 +47,7 @@ def environment(device) -> dict:
     from .. import env as switches
     from .. import table
     env["switches"] = switches.snapshot()   # every declared switch, defaults included
+    env["switch_sources"] = switches.sources()
     env["env"] = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES",) if k in os.environ}
     env["selection_table"] = table.describe(device)
     return env

@@ -2,7 +2,7 @@
 (`Recorder.hooks()` patches them and restores them on exit; no library file changes).
 
 Labels (one case may hit several):
-  backend:<name>            dispatch.select's answer (the backend that served the call)
+  backend:<name>            dispatch.select_counted's answer (the backend that served the call)
   fwd:<cfg> / bwd_dkdv:<cfg> / bwd_dq:<cfg>
                             the KernelConfig tuning.launch_with_fallback launched, as seen by
                             kernels/attn_fwd.py and attn_bwd.py, e.g. "fwd:128x64w8s3" (+"split")
@@ -94,7 +94,7 @@ class Recorder:
             self.installed.append(where)
 
         from flashport import api, dispatch
-        patch(dispatch, "select", self._select)
+        patch(dispatch, "select_counted", self._select)
         patch(api, "merge_states_torch", lambda real: self._labelled(real, "merge:torch"))
         if _kernels_usable(device):
             try:
@@ -117,13 +117,13 @@ class Recorder:
                 setattr(module, name, real)
 
     def _select(self, real):
-        def select(spec, backend=None, *a, **kw):
-            impl = real(spec, backend, *a, **kw)
+        def select_counted(spec, backend=None, *a, **kw):
+            impl, fallback = real(spec, backend, *a, **kw)
             if self.current is not None:
                 self.current.served = impl.name
                 self.current.labels.add(f"backend:{impl.name}")
-            return impl
-        return select
+            return impl, fallback
+        return select_counted
 
     def _labelled(self, real, label):
         def wrapper(*a, **kw):

@@ -1,0 +1,202 @@
+"""What operators see: counters per backend and profiler ranges around every call.
+
+`stats()` counts, per backend: calls (public calls whose forward it served), forward, backward, errors
+(exceptions it raised), fallbacks (calls it served because the preferred backend was quarantined, or
+because no fast GPU backend could), guard_checks / guard_failures and the guard's error distribution,
+FLOPs (FlashAttention's convention, visible pairs only), bytes read (q, k, v and the cache as passed),
+and peak_extra_bytes (the largest working memory one call allocated beyond its inputs, by the backend's
+own account: `Backend.extra_bytes`).  Varlen and KV-cache calls count FLOPs at their maximum lengths
+(the per-sequence lengths live on the device, and reading them would synchronise): an upper bound.
+
+Ranges: `flashport::<entry point>[<backend>]` around the forward and `flashport::<entry
+point>_backward[<backend>]` around the backward, as torch.profiler events (only while a profiler
+records: the check is one C call) and as NVTX ranges on CUDA (nvtxRangePush is a no-op without a
+tool attached).  FLASHPORT_RANGES=0 switches both off, to measure what they cost.
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+import threading
+from collections import defaultdict
+
+import torch
+
+from . import env
+
+ENTRY = {"dense": "attention", "varlen": "attention_varlen", "kvcache": "attention_with_kvcache"}
+COUNTERS = ("calls", "forward", "backward", "errors", "fallbacks", "guard_checks", "guard_failures",
+            "guard_skipped", "flops", "bytes_read", "peak_extra_bytes")
+# The guard's error distribution: max |error| / the tolerance it was judged by, binned; > 1 failed.
+GUARD_BINS = (0.0, 0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 10.0, float("inf"))
+
+_lock = threading.Lock()
+_stats: dict = defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
+_guard_hist: dict = defaultdict(lambda: [0] * (len(GUARD_BINS) - 1))
+_guard_max: dict = defaultdict(float)
+_guard_sum: dict = defaultdict(float)
+
+
+def add(backend: str, **counts) -> None:
+    with _lock:
+        row = _stats[backend]
+        for k, n in counts.items():
+            row[k] += n
+
+
+def peak(backend: str, nbytes: int) -> None:
+    with _lock:
+        row = _stats[backend]
+        row["peak_extra_bytes"] = max(row["peak_extra_bytes"], int(nbytes))
+
+
+def guard_result(backend: str, ratio: float) -> None:
+    """One guard check: `ratio` = max |error| / tolerance (inf for a non-finite output)."""
+    with _lock:
+        row = _stats[backend]
+        row["guard_checks"] += 1
+        row["guard_failures"] += int(not ratio <= 1.0)
+        hist = _guard_hist[backend]
+        for i in range(len(GUARD_BINS) - 1):
+            if ratio < GUARD_BINS[i + 1] or i == len(GUARD_BINS) - 2:
+                hist[i] += 1
+                break
+        _guard_max[backend] = max(_guard_max[backend], ratio)
+        _guard_sum[backend] += ratio
+
+
+def stats() -> dict[str, dict]:
+    """Counters per backend name (only backends that saw a call).  Guard results still in flight are
+    collected first, so the numbers include every check that has finished on the device."""
+    from . import rollout
+    rollout.collect(wait=True)
+    with _lock:
+        out = {}
+        for name, row in _stats.items():
+            d = dict(row)
+            if d["guard_checks"]:
+                d["guard_error_hist"] = {"edges": list(GUARD_BINS), "counts": list(_guard_hist[name])}
+                d["guard_max_error_ratio"] = _guard_max[name]
+                d["guard_error_ratio_sum"] = _guard_sum[name]
+            out[name] = d
+        return out
+
+
+def reset_stats() -> None:
+    from . import dispatch, rollout
+    rollout.collect(wait=True)
+    with _lock:
+        _stats.clear()
+        _guard_hist.clear()
+        _guard_max.clear()
+        _guard_sum.clear()
+    dispatch.fallback_counts.clear()
+
+
+# ----------------------------------------------------------------------------- what a call costs
+@functools.lru_cache(maxsize=4096)
+def visible_pairs(sq: int, sk: int, left: int, right: int) -> int:
+    """(row, key) pairs the visibility rule lets attend, for one sequence (masks.Visibility, summed)."""
+    if sq <= 0 or sk <= 0:
+        return 0
+    i = torch.arange(sq, dtype=torch.int64)
+    diag = sk - sq
+    lo = (i + diag - left).clamp(min=0) if left >= 0 else torch.zeros_like(i)
+    hi = (i + diag + right + 1).clamp(max=sk) if right >= 0 else torch.full_like(i, sk)
+    return int((hi - lo).clamp(min=0).sum())
+
+
+def flops(spec, role: str = "fwd") -> int:
+    """Forward 2 (D + Dv) per visible pair and query head (QK^T and PV); backward 2.5x (FlashAttention's)."""
+    pairs = visible_pairs(spec.seqlen_q, spec.seqlen_k, spec.window_left, spec.window_right)
+    f = 2 * (spec.head_dim + spec.head_dim_v) * pairs * spec.batch * spec.heads_q
+    return int(f * 2.5) if role == "bwd" else f
+
+
+def bytes_read(inputs) -> int:
+    return sum(t.numel() * t.element_size() for t in (inputs.q, inputs.k, inputs.v))
+
+
+# ----------------------------------------------------------------------------- ranges
+def range_name(spec, backend: str, backward: bool = False) -> str:
+    return f"flashport::{ENTRY[spec.kind]}{'_backward' if backward else ''}[{backend}]"
+
+
+@contextlib.contextmanager
+def _ranged(name: str, cuda: bool):
+    handle = torch.ops.profiler._record_function_enter_new(name, None) if torch.autograd._profiler_enabled() \
+        else None
+    if cuda:
+        torch.cuda.nvtx.range_push(name)
+    try:
+        yield
+    finally:
+        if cuda:
+            torch.cuda.nvtx.range_pop()
+        if handle is not None:
+            torch.ops.profiler._record_function_exit(handle)
+
+
+def ranged(spec, backend: str, backward: bool = False):
+    """The call's profiler / NVTX range (a null context with FLASHPORT_RANGES=0)."""
+    if not env.flag("FLASHPORT_RANGES"):
+        return contextlib.nullcontext()
+    return _ranged(range_name(spec, backend, backward), spec.device.type == "cuda")
+
+
+class _Range:
+    """A range opened in one autograd node and closed in another (a backend with its own autograd)."""
+
+    def __init__(self, name: str, cuda: bool, backend: str, flops: int):
+        self.name, self.cuda, self.backend, self.flops, self.cm = name, cuda, backend, flops, None
+        self.enabled = env.flag("FLASHPORT_RANGES")
+
+    def open(self):
+        if self.cm is None:
+            add(self.backend, backward=1, flops=self.flops)
+            self.cm = _ranged(self.name, self.cuda) if self.enabled else contextlib.nullcontext()
+            self.cm.__enter__()
+
+    def close(self):
+        if self.cm is not None:
+            cm, self.cm = self.cm, None
+            cm.__exit__(None, None, None)
+
+
+class _Open(torch.autograd.Function):
+    """On the output: its backward runs first, and opens the range."""
+
+    @staticmethod
+    def forward(ctx, rng, out):
+        ctx.rng = rng
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, g):
+        ctx.rng.open()
+        return None, g
+
+
+class _Close(torch.autograd.Function):
+    """On the inputs: its backward runs once the backend's backward has produced their gradients."""
+
+    @staticmethod
+    def forward(ctx, rng, *xs):
+        ctx.rng = rng
+        return tuple(x.view_as(x) for x in xs)
+
+    @staticmethod
+    def backward(ctx, *gs):
+        ctx.rng.close()
+        return (None, *gs)
+
+
+def bracket_inputs(spec, backend: str, q, k, v):
+    """For a backend with its own autograd: -> (range, q, k, v) with q, k, v passed through a node whose
+    backward closes the backward range; `bracket_output(range, out)` opens it."""
+    rng = _Range(range_name(spec, backend, backward=True), spec.device.type == "cuda", backend, flops(spec, "bwd"))
+    return (rng, *_Close.apply(rng, q, k, v))
+
+
+def bracket_output(rng: _Range, out):
+    return _Open.apply(rng, out)
