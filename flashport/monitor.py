@@ -200,3 +200,41 @@ def bracket_inputs(spec, backend: str, q, k, v):
 
 def bracket_output(rng: _Range, out):
     return _Open.apply(rng, out)
+
+
+# ----------------------------------------------------------------------------- caches
+def cache_sizes() -> dict[str, int]:
+    """Entries held by every cache flashport owns, by name: the dispatcher's memo, each functools cache
+    in a loaded flashport module, and each Triton / Gluon kernel's compiled variants (summed over
+    devices) and autotuner choices.  A leak test reads it before and after: every entry must be flat."""
+    import sys
+    from . import dispatch
+    out = {"dispatch._memo": len(dispatch._memo)}
+    for mod_name, mod in list(sys.modules.items()):
+        if not mod_name.startswith("flashport") or mod is None:
+            continue
+        for attr, obj in list(vars(mod).items()):
+            if getattr(obj, "__module__", None) != mod_name:
+                continue          # imported from elsewhere: counted where it is defined
+            name = f"{mod_name.removeprefix('flashport.')}.{attr}"
+            if hasattr(obj, "cache_info"):
+                out[name] = obj.cache_info().currsize
+            elif hasattr(obj, "cache") and hasattr(obj, "fn") and isinstance(obj.cache, dict):
+                out[name + " (autotune)"] = len(obj.cache)
+                obj = obj.fn
+            if hasattr(obj, "device_caches"):
+                out[name + " (compiled)"] = sum(len(c[0]) for c in list(obj.device_caches.values()))
+    return out
+
+
+def unbounded_caches() -> list[str]:
+    """functools caches in loaded flashport modules declared without a size limit."""
+    import sys
+    out = []
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("flashport") and mod is not None:
+            for attr, obj in list(vars(mod).items()):
+                if getattr(obj, "__module__", None) == mod_name and hasattr(obj, "cache_parameters") \
+                        and obj.cache_parameters()["maxsize"] is None:
+                    out.append(f"{mod_name}.{attr}")
+    return sorted(out)

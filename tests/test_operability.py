@@ -273,35 +273,38 @@ def _live_tensors() -> int:
 
 
 def test_leak_10000_calls_with_varied_shapes(monkeypatch):
-    """10,000 forward + backward calls of varied shapes and masks (and the guard sampling 1%): live
-    tensors, the dispatcher's memo and the process's memory stay flat."""
+    """10,000 forward + backward calls drawn from 40 shapes and masks (and the guard sampling 1%), after
+    one warm call of each: live tensors, every cache flashport owns and the process's memory stay flat;
+    the dispatcher's memo, cut to 16 entries, cycles without growing."""
     psutil = pytest.importorskip("psutil")
-    monkeypatch.setattr(dispatch, "MEMO_SIZE", 512)    # small enough that 10,000 calls cycle it
+    monkeypatch.setattr(dispatch, "MEMO_SIZE", 16)
     rng = random.Random(7)
     flashport.guard(sample_rate=0.01)
+    pool = [(s, sk, hkv, causal, window) for s, sk in ((1, 1), (5, 17), (24, 24), (17, 9))
+            for hkv in (1, 2) for causal in (False, True) for window in ((-1, -1), (3, 0), (2, 5))
+            if not (causal and window == (2, 5))]
 
-    def call():
-        s, sk = rng.randint(1, 24), rng.randint(1, 24)
-        hkv = rng.choice((1, 2))
+    def call(s, sk, hkv, causal, window):
         q = torch.randn(1, s, 2 * hkv, 8, requires_grad=True)
         k = torch.randn(1, sk, hkv, 8, requires_grad=True)
         v = torch.randn(1, sk, hkv, 8, requires_grad=True)
-        causal = rng.random() < 0.5
-        out = flashport.attention(q, k, v, causal=causal, window_size=rng.choice(((-1, -1), (3, 0 if causal else 2))))
-        out.sum().backward()
+        flashport.attention(q, k, v, causal=causal, window_size=window).sum().backward()
 
-    for _ in range(300):
-        call()
+    assert len(pool) == 40
+    for case in pool:
+        call(*case)
+    caches = {k: v for k, v in monitor.cache_sizes().items() if k != "dispatch._memo"}
     tensors, rss = _live_tensors(), psutil.Process().memory_info().rss
     for _ in range(10_000):
-        call()
+        call(*rng.choice(pool))
+        assert len(dispatch._memo) <= 16
     assert _live_tensors() <= tensors + 10
-    assert len(dispatch._memo) <= 512
+    assert {k: v for k, v in monitor.cache_sizes().items() if k != "dispatch._memo"} == caches
     assert len(monitor._stats) <= len(dispatch._REGISTRY)
     assert len(rollout._pending) == 0
     assert psutil.Process().memory_info().rss - rss < 64 << 20
     st = flashport.stats()["blockwise"]
-    assert st["calls"] == 10_300 and st["guard_checks"] == 103 and st["guard_failures"] == 0
+    assert st["calls"] == 10_040 and st["guard_checks"] == 100 and st["guard_failures"] == 0
 
 
 # ----------------------------------------------------------------------------- prometheus
@@ -330,3 +333,15 @@ def test_bench_trace_names_every_entry_point(tmp_path):
                       "flashport::attention_with_kvcache[blockwise]": 1}, ranges
     import gzip
     assert "flashport::attention_backward[blockwise]" in gzip.open(path).read().decode()
+
+
+def test_every_cache_is_bounded_and_counted():
+    import importlib
+    import pkgutil
+    for m in pkgutil.walk_packages(flashport.__path__, "flashport."):
+        if not m.name.endswith("__main__"):
+            importlib.import_module(m.name)
+    assert monitor.unbounded_caches() == []
+    sizes = monitor.cache_sizes()
+    assert "dispatch._memo" in sizes and "kernels.attn_fwd._attn_fwd (compiled)" in sizes
+    assert "kernels.attn_fwd_hopper._attn_fwd_hopper (compiled)" in sizes

@@ -22,7 +22,7 @@ MAX_HEAD_DIM = 256
 MAX_GRID_YZ = 65535  # CUDA grid limit for the head and batch dimensions
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=8)
 def _triton_version() -> Optional[str]:
     try:
         import triton
@@ -140,7 +140,7 @@ class TritonBackend(dispatch.Backend):
 # Both answers depend only on the spec (a frozen, hashable dataclass), the installed Triton, the cards and
 # TRITON_INTERPRET (part of the key), and they are asked on every call: memoised, since a training or
 # serving loop repeats the same few shapes (each call costs microseconds of host time otherwise).
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)
 def _availability(version: Optional[str], interpreting: bool, allow_untested: bool) -> tuple[str, ...]:
     if version is None:
         return ("triton is not installed",)

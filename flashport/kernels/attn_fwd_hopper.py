@@ -375,7 +375,7 @@ if gluon is not None:
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=256)
 def _smem_layout(rows: int, cols: int, dtype: torch.dtype):
     # Built once per tile shape: constructing it costs ~6 us of host time, four times per call.
     return gl.NVMMASharedLayout.get_default_for([rows, cols], getattr(gl, _GL_DTYPES[dtype]))

@@ -53,7 +53,7 @@ def _pow2(x: int, lo: int = 16) -> int:
     return max(lo, 1 << max(0, math.ceil(math.log2(max(1, x)))))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.lru_cache(maxsize=64)
 def _device_facts(index: int) -> tuple[int, int, tuple[int, int]]:
     props = torch.cuda.get_device_properties(index)
     smem = getattr(props, "shared_memory_per_block_optin", 0) or 99 * 1024
