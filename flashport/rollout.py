@@ -77,7 +77,8 @@ def guard(sample_rate: float = 0.01, tolerance: float | None = None) -> _Handle:
 def _configured() -> tuple[float, float | None]:
     if _setting[0] is not None:
         return _setting[0]
-    rate, tol = env.value("FLASHPORT_GUARD"), env.value("FLASHPORT_GUARD_TOLERANCE")
+    rate, tol = env.raws(("FLASHPORT_GUARD", "FLASHPORT_GUARD_TOLERANCE"))
+    rate, tol = rate or env.SWITCHES["FLASHPORT_GUARD"].default, tol or ""
     try:
         r = float(rate)
         t = float(tol) if tol else None

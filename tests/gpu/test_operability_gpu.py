@@ -39,10 +39,11 @@ def _call(c, grad: bool):
 def test_leak_10000_calls_on_the_gpu(monkeypatch):
     monkeypatch.delenv("FLASHPORT_TABLE", raising=False)   # as a user runs it: the shipped table
     rng = random.Random(11)
-    flashport.guard(sample_rate=0.01)
     cases = [(c, grad) for c in POOL for grad in (False, True)]
-    for c, grad in cases:
-        _call(c, grad)
+    with flashport.guard(sample_rate=1.0):  # warm: every case compiled and checked once (the side stream's
+        for c, grad in cases:               # cuBLAS workspace is allocated then, not counted as a leak)
+            _call(c, grad)
+    flashport.guard(sample_rate=0.01)
     flashport.stats()                       # every pending guard check read back
     torch.cuda.synchronize()
     caches = {k: v for k, v in monitor.cache_sizes().items() if k != "dispatch._memo"}
@@ -67,7 +68,7 @@ def test_leak_10000_calls_on_the_gpu(monkeypatch):
     assert report["reserved_after"] <= reserved + (256 << 20)
     assert report["caches_changed"] == {}
     assert flashport.quarantined() == {}
-    assert sum(d["guard_checks"] for d in st.values()) >= 100
+    assert sum(d["guard_checks"] for d in st.values()) >= 100 + len(cases) // 2
     assert all(d["guard_failures"] == 0 for d in st.values()), report["stats"]
 
 
