@@ -159,6 +159,13 @@ def tune(shapes, device, path=None, tick=lambda: None, rounds: int = 2) -> tuple
     return str(path), rows
 
 
+def _coupled(steps: dict, best_bwd: str, plan: str) -> bool:
+    """True where the fastest backward comes only with a training forward that makes the step slower than
+    the plan's: the step is then the cell to judge, and the backward alone cannot reach `best`."""
+    with_best = [ms for p, ms in steps.items() if p.split("/")[-1] == best_bwd]
+    return bool(with_best) and plan in steps and min(with_best) > steps[plan]
+
+
 def auto_vs_best(rows: list[dict]) -> list[dict]:
     """Per measured cell: the best eligible backend, auto's plan, and ratio = best_ms / auto_ms.
 
@@ -170,6 +177,9 @@ def auto_vs_best(rows: list[dict]) -> list[dict]:
     out = []
     for r in rows:
         auto = r.get("auto") or {}
+        ftr = r.get("fwd_train") or {}
+        steps = {f if f == b else f"{f}/{b}": ftr[f] + r["bwd"][b] for f, b in r.get("plans", [])
+                 if f in ftr and b in r["bwd"]}
         for role in ("fwd", "bwd"):
             if not r[role] or auto.get(role) is None:
                 continue
@@ -180,9 +190,8 @@ def auto_vs_best(rows: list[dict]) -> list[dict]:
                         "auto_plan": plan, "auto_ms": auto[role], "ratio": r[role][best] / auto[role],
                         "choice_ratio": r[role][best] / r[role][chosen] if chosen in r[role] else None,
                         "measured": dict(r[role])})
-        ftr = r.get("fwd_train") or {}
-        steps = {f if f == b else f"{f}/{b}": ftr[f] + r["bwd"][b] for f, b in r.get("plans", [])
-                 if f in ftr and b in r["bwd"]}
+            if role == "bwd":
+                out[-1]["coupled"] = _coupled(steps, best, auto[f"plan_{role}"])
         if steps and auto.get("bwd") is not None and auto.get("fwd_train") is not None:
             best = min(steps, key=steps.get)
             plan = auto["plan_bwd"]

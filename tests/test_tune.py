@@ -56,6 +56,7 @@ def test_step_cells_compare_whole_training_plans():
     # the backward alone is best on s (which needs its own forward) ...
     assert cells["bwd"]["best"] == "s" and cells["bwd"]["choice_ratio"] == pytest.approx(2.9 / 3.0)
     # ... but the step g/t (4.0) beats s's pair (4.1): the training plan is right
+    assert cells["bwd"]["coupled"] is True        # so the backward cell is judged by the step
     assert cells["step"]["best"] == "g/t" and cells["step"]["ratio"] == 1.0
     assert cells["step"]["measured"] == {"g/t": 4.0, "s": pytest.approx(4.1)}
 

@@ -144,6 +144,9 @@ def _auto_vs_best(suite, shapes, device, args, t0) -> int:
         doc["auto_vs_best"] = {"cells": cells, "min_ratio": min((c["ratio"] for c in cells), default=None),
                                "min_ratio_by_mode": {m: min(c["ratio"] for c in cells if c["mode"] == m)
                                                      for m in dict.fromkeys(c["mode"] for c in cells)},
+                               "min_ratio_bwd_uncoupled": min((c["ratio"] for c in cells if c["mode"] == "bwd"
+                                                               and not c.get("coupled")), default=None),
+                               "coupled_bwd_cells": sum(1 for c in cells if c.get("coupled")),
                                "rounds": args.rounds,
                                "min_choice_ratio": min((c["choice_ratio"] for c in cells
                                                         if c["choice_ratio"] is not None), default=None),
@@ -153,7 +156,9 @@ def _auto_vs_best(suite, shapes, device, args, t0) -> int:
         bar.close()
     for c in cells:
         print(f"{c['label']:<44} {c['mode']}  auto {c['auto_plan']:<14} {c['auto_ms']:8.3f} ms  best {c['best']:<14} "
-              f"{c['best_ms']:8.3f} ms  ratio {c['ratio']:.3f} choice {c['choice_ratio'] or 0:.3f}")
-    print(f"min ratio {doc['auto_vs_best']['min_ratio']} (by mode {doc['auto_vs_best']['min_ratio_by_mode']}); "
-          f"wrote {path}")
+              f"{c['best_ms']:8.3f} ms  ratio {c['ratio']:.3f} choice {c['choice_ratio'] or 0:.3f}"
+              + ("  (coupled: the step is the cell)" if c.get("coupled") else ""))
+    avb = doc["auto_vs_best"]
+    print(f"min ratio {avb['min_ratio']} (by mode {avb['min_ratio_by_mode']}; backward cells not coupled to a "
+          f"slower step: {avb['min_ratio_bwd_uncoupled']}, {avb['coupled_bwd_cells']} coupled); wrote {path}")
     return 0

@@ -105,12 +105,34 @@ def gpu_graph_ms(fn: Callable[[], object], warmup: int = 3, rep_ms: float = 100.
     return ms, None
 
 
+_CYCLES_PER_US: list = []
+
+
+def _cycles_per_us() -> float:
+    """The rate of torch.cuda._sleep (a spin for N clock cycles), measured once per process."""
+    if not _CYCLES_PER_US:
+        torch.cuda._sleep(1000)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        torch.cuda._sleep(2_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_US.append(2_000_000 / max(start.elapsed_time(end) * 1e3, 1.0))
+    return _CYCLES_PER_US[0]
+
+
 def paired_ms(fns: dict, iters: int, device) -> dict:
     """{name: [ms per iteration]} for several callables timed side by side: each iteration runs every fn once,
     in an order rotated by one per iteration, each after an L2 flush and between its own CUDA events (the
     events are read after the last iteration, so the host never waits).  Clock, thermal and host drift then
     fall on every fn alike, and their ratio is steadier than that of separate do_bench runs (which drift
-    5-10% apart on a sub-millisecond H200 cell).  On a CPU, wall-clock per call."""
+    5-10% apart on a sub-millisecond H200 cell).  On a CPU, wall-clock per call.
+
+    On CUDA each timed call is preceded by a spin kernel (NVBench's "blocking kernel") as long as that fn's
+    last host time plus a margin: the host then enqueues the whole call while the GPU spins, and the events
+    time the device's work alone.  Without it, a call whose host time exceeds the flush reads the host's
+    hiccups as device time (the same kernel read 0.214 and 0.285 ms in one run).  Host time per call is
+    measured on its own (`host_us`)."""
     names = list(fns)
     cuda = torch.device(device).type == "cuda"
     out: dict = {n: [] for n in names}
@@ -122,14 +144,19 @@ def paired_ms(fns: dict, iters: int, device) -> dict:
                 out[n].append((time.perf_counter() - t0) * 1e3)
         return out
     flush = _l2_flush(torch.device("cuda", torch.cuda.current_device()))
+    rate = _cycles_per_us()
+    host_us = {n: 1000.0 for n in names}      # until measured: 1 ms covers any one call's launches
     events = []
     for i in range(iters):
         for n in names[i % len(names):] + names[:i % len(names)]:
+            torch.cuda._sleep(int(rate * min(1.25 * host_us[n] + 20.0, 50_000.0)))
             flush.zero_()
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            t0 = time.perf_counter()
             start.record()
             fns[n]()
             end.record()
+            host_us[n] = (time.perf_counter() - t0) * 1e6
             events.append((n, start, end))
     torch.cuda.synchronize()
     for n, start, end in events:
