@@ -213,12 +213,13 @@ def _verdict(spec, parts, tolerance):
     q, k, v, got, rows, seqlen_q, seqlens_k, alibi, valid = parts
     kw = dict(scale=spec.softmax_scale, softcap=spec.softcap, alibi=alibi, left=spec.window_left,
               right=spec.window_right, seqlens_k=seqlens_k, rows=rows, seqlen_q=seqlen_q)
-    ref, lse = materialized_attention(q.double(), k.double(), v.double(), **kw)
-    diff = (got.double() - ref).abs()
+    qd, kd, vd, gotd = q.double(), k.double(), v.double(), got.double()
+    ref, lse = materialized_attention(qd, kd, vd, **kw)
+    diff = (gotd - ref).abs()
     if valid is not None:
         diff = torch.where(valid[None, :, None, None], diff, torch.zeros_like(diff))
-    finite = torch.isfinite(got.double()).all() if valid is None else \
-        torch.isfinite(torch.where(valid[None, :, None, None], got.double(), 0.0)).all()
+    finite = torch.isfinite(gotd).all() if valid is None else \
+        torch.isfinite(torch.where(valid[None, :, None, None], gotd, 0.0)).all()
     err = torch.where(finite, diff.amax() if diff.numel() else diff.new_zeros(()), diff.new_full((), math.inf))
     if tolerance is not None:
         return err / tolerance
@@ -230,9 +231,9 @@ def _verdict(spec, parts, tolerance):
     base = base.amax() if base.numel() else base.new_zeros(())
     fin = torch.where(torch.isfinite(lse), lse.abs(), torch.zeros_like(lse))
     lse_max = fin.amax().double() if fin.numel() else 0.0
-    mq = q.double().abs().amax() if q.numel() else 0.0
-    mk = k.double().abs().amax() if k.numel() else 0.0
-    mv = v.double().abs().amax() if v.numel() else 0.0
+    mq = qd.abs().amax() if q.numel() else 0.0
+    mk = kd.abs().amax() if k.numel() else 0.0
+    mv = vd.abs().amax() if v.numel() else 0.0
     delta = COMPUTE_EPS * (1.0 + lse_max + abs(spec.softmax_scale) * math.sqrt(spec.head_dim) * mq * mk)
     mag = torch.clamp(ref.abs().amax() if ref.numel() else ref.new_zeros(()), min=1.0)
     bound = 2.0 * (base + delta * mv) + 2 * torch.finfo(q.dtype).eps * mag
