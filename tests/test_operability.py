@@ -343,5 +343,9 @@ def test_every_cache_is_bounded_and_counted():
             importlib.import_module(m.name)
     assert monitor.unbounded_caches() == []
     sizes = monitor.cache_sizes()
-    assert "dispatch._memo" in sizes and "kernels.attn_fwd._attn_fwd (compiled)" in sizes
-    assert "kernels.attn_fwd_hopper._attn_fwd_hopper (compiled)" in sizes
+    assert "dispatch._memo" in sizes and "monitor.visible_pairs" in sizes
+    from triton.runtime.jit import JITFunction
+    from flashport.kernels import attn_fwd
+    if isinstance(attn_fwd._attn_fwd, JITFunction):   # not when imported under TRITON_INTERPRET=1
+        assert "kernels.attn_fwd._attn_fwd (compiled)" in sizes
+        assert "kernels.attn_fwd_hopper._attn_fwd_hopper (compiled)" in sizes
