@@ -20,9 +20,9 @@ from .api import attention
 from .spec import dense_spec
 
 
-def _spec(q, k, v, causal: bool, needs_grad: bool):
+def _spec(q, k, v, causal: bool, needs_grad: bool, window_size=(-1, -1)):
     return dense_spec(q if needs_grad else q.detach(), k if needs_grad else k.detach(),
-                      v if needs_grad else v.detach(), causal=causal, softmax_scale=None, window_size=(-1, -1),
+                      v if needs_grad else v.detach(), causal=causal, softmax_scale=None, window_size=window_size,
                       softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)[0]
 
 
@@ -92,31 +92,33 @@ def measure_shape(shape, device, with_auto: bool = False, rounds: int = 2) -> di
     train = "bwd" in shape.modes
     q, k, v = peers.make_inputs(shape, device, requires_grad=train)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
-    spec_f = _spec(q, k, v, shape.causal, False)
+    spec_f = _spec(q, k, v, shape.causal, False, shape.window_size)
     res = {"label": shape.label(), "bucket": table.bucket(spec_f), "fwd": {}, "fwd_train": {}, "bwd": {},
            "samples": {}, "errors": {}}
     # PyTorch-op-speed backends (blockwise) never win on a GPU: not timed there (tens of ms per cell)
     slow = {n for n, b in dispatch._REGISTRY.items() if b.slow_on_gpu} if device.type == "cuda" else set()
     names = list(dict.fromkeys(p.fwd.name for p in dispatch.options(spec_f) if p.fwd.name not in slow))
 
+    mask = dict(causal=shape.causal, window_size=shape.window_size)
+
     def fwd(name):
-        return lambda: (lambda: attention(qd, kd, vd, causal=shape.causal, backend=name))
+        return lambda: (lambda: attention(qd, kd, vd, **mask, backend=name))
 
     def bwd(name):
         def make():
-            out = attention(q, k, v, causal=shape.causal, backend=name)
+            out = attention(q, k, v, **mask, backend=name)
             do = torch.randn_like(out)
             return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
         return make
 
     def fwd_train(name):
-        return lambda: (lambda: attention(q, k, v, causal=shape.causal, backend=name))
+        return lambda: (lambda: attention(q, k, v, **mask, backend=name))
 
     auto = {"auto": None} if with_auto else {}
     res["fwd"], res["samples"]["fwd"] = interleaved(
         {n: fwd(n) for n in names} | {a: fwd(None) for a in auto}, device, rounds, res["errors"])
     if train:
-        spec_b = _spec(q, k, v, shape.causal, True)
+        spec_b = _spec(q, k, v, shape.causal, True, shape.window_size)
         plans = dispatch.options(spec_b)
         res["plans"] = [[p.fwd.name, p.bwd.name] for p in plans]
         # a training forward may cost more than an inference one (cuDNN's saves its softmax stats)

@@ -17,7 +17,7 @@ import os
 import re
 import time
 
-SUITES = ("auto", "cpu", "standard", "models", "long", "decode")
+SUITES = ("auto", "cpu", "standard", "models", "workloads", "long", "decode")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:

@@ -42,6 +42,8 @@ def context(impl: str):
 
 
 def _sdpa(q, k, v, causal: bool, shape: Shape):
+    if shape.window >= 0:
+        raise NotApplicable("SDPA has no sliding window")
     kw = {"enable_gqa": True} if shape.hq != shape.hkv else {}
     return F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                           is_causal=causal, **kw).transpose(1, 2)
@@ -83,26 +85,33 @@ def _causal_mod(b, h, q_idx, kv_idx):
     return q_idx >= kv_idx   # the suites' causal shapes have Sq == Sk, where both alignments agree
 
 
+def _window_mod(left: int, right: int):
+    def mod(b, h, q_idx, kv_idx):   # Sq == Sk in the suites: both alignments agree
+        return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
+    return mod
+
+
 def _block_mask(shape: Shape, device):
-    """Created once per (Sq, Sk, causal) configuration and reused; None = no mask (dense)."""
-    if not shape.causal:
+    """Created once per (Sq, Sk, causal, window) configuration and reused; None = no mask (dense)."""
+    if not shape.causal and shape.window < 0:
         return None
-    key = (shape.sq, shape.sk, str(device))
+    key = (shape.sq, shape.sk, shape.causal, shape.window, str(device))
     if key not in _block_masks:
         from torch.nn.attention.flex_attention import create_block_mask
         # Uncompiled, create_block_mask evaluates the mask on all Sq x Sk pairs at once (128 GiB at 131k);
         # compiled, it works block by block.
         big = shape.sq * shape.sk > 2**30
-        _block_masks[key] = create_block_mask(_causal_mod, None, None, shape.sq, shape.sk, device=device, _compile=big)
+        mod = _causal_mod if shape.window < 0 else _window_mod(*shape.window_size)
+        _block_masks[key] = create_block_mask(mod, None, None, shape.sq, shape.sk, device=device, _compile=big)
     return _block_masks[key]
 
 
 # ----------------------------------------------------------------------------- builders
-def own_kernels(q, k, v, causal: bool) -> str:
+def own_kernels(q, k, v, causal: bool, window_size=(-1, -1)) -> str:
     """The plan name ("gluon", "gluon/triton", "triton") of flashport's own kernels for this call."""
     from flashport import dispatch
     from flashport.spec import dense_spec
-    spec = dense_spec(q, k, v, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+    spec = dense_spec(q, k, v, causal=causal, softmax_scale=None, window_size=window_size, softcap=0.0,
                       alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)[0]
     ours = [p for p in dispatch.options(spec) if {p.fwd.name, p.bwd.name} <= {"gluon", "triton"}]
     return ours[0].name if ours else "triton"
@@ -111,10 +120,10 @@ def own_kernels(q, k, v, causal: bool) -> str:
 def dense_fn(impl: str, shape: Shape, q, k, v) -> Callable[[], torch.Tensor]:
     """fn() -> out [B, Sq, Hq, D] for a dense problem."""
     if impl == "flashport-triton":   # our kernels (Gluon where it serves, else Triton), as the static priority picks
-        name = own_kernels(q, k, v, shape.causal)
-        return lambda: flashport.attention(q, k, v, causal=shape.causal, backend=name)
+        name = own_kernels(q, k, v, shape.causal, shape.window_size)
+        return lambda: flashport.attention(q, k, v, causal=shape.causal, window_size=shape.window_size, backend=name)
     if impl == "flashport":           # backend=None: what a user gets (the selection table, else static priority)
-        return lambda: flashport.attention(q, k, v, causal=shape.causal)
+        return lambda: flashport.attention(q, k, v, causal=shape.causal, window_size=shape.window_size)
     if impl.startswith("sdpa-"):
         return lambda: _sdpa(q, k, v, shape.causal, shape)
     if impl == "flex":
@@ -145,7 +154,7 @@ def make_inputs(shape: Shape, device, requires_grad: bool, seed: int = 0):
         return torch.randn(*s, device=device, dtype=dt, generator=g).requires_grad_(requires_grad)
 
     return rnd(shape.b, shape.sq, shape.hq, shape.d), rnd(shape.b, shape.sk, shape.hkv, shape.d), \
-        rnd(shape.b, shape.sk, shape.hkv, shape.d)
+        rnd(shape.b, shape.sk, shape.hkv, shape.head_dim_v)
 
 
 def make_cache(shape: Shape, device, seed: int = 0):

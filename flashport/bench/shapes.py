@@ -28,6 +28,19 @@ class Shape:
     kind: str = "dense"
     page: int = 0
     dtype: str = "bfloat16"
+    dv: int = 0          # value head dim; 0: the same as d
+    window: int = -1     # a sliding window of this many keys to the left (with causal: Mistral / Gemma-2's)
+
+    @property
+    def head_dim_v(self) -> int:
+        return self.dv or self.d
+
+    @property
+    def window_size(self) -> tuple[int, int]:
+        """flashport's window_size for this shape: (-1, -1) for none."""
+        if self.window < 0:
+            return (-1, -1)
+        return (self.window, 0 if self.causal else self.window)
 
     @property
     def torch_dtype(self) -> torch.dtype:
@@ -41,14 +54,19 @@ class Shape:
             return f"{self.name} b{self.b} kv{self.sk} h{self.hq}/{self.hkv} d{self.d}" + \
                 (f" page{self.page}" if self.page else " dense")
         heads = f"h{self.hq}" if self.hq == self.hkv else f"h{self.hq}/{self.hkv}"
-        return f"{self.name} b{self.b} s{self.sq} {heads} d{self.d}" + (" causal" if self.causal else "")
+        return (f"{self.name} b{self.b} s{self.sq} {heads} d{self.d}" + (f" dv{self.dv}" if self.dv else "")
+                + (" causal" if self.causal else "") + (f" window{self.window}" if self.window >= 0 else ""))
 
 
 def flops(shape: Shape, mode: str) -> float:
-    """FlashAttention's convention: fwd 4*B*H*Sq*Sk*D, halved for causal; bwd 2.5x fwd."""
-    f = 4.0 * shape.b * shape.hq * shape.sq * shape.sk * shape.d
-    if shape.causal:
-        f /= 2
+    """FlashAttention's convention: fwd 2*(D+Dv)*B*H*Sq*Sk (4*B*H*Sq*Sk*D), halved for causal; a window
+    counts its visible pairs; bwd 2.5x fwd."""
+    per_pair = 2.0 * (shape.d + shape.head_dim_v) * shape.b * shape.hq
+    if shape.window >= 0:
+        from ..monitor import visible_pairs
+        f = per_pair * visible_pairs(shape.sq, shape.sk, *shape.window_size)
+    else:
+        f = per_pair * shape.sq * shape.sk / (2 if shape.causal else 1)
     return f * (2.5 if mode == "bwd" else 1.0)
 
 
@@ -74,6 +92,23 @@ def models() -> list[Shape]:
     ]
 
 
+def workloads() -> list[Shape]:
+    """Shapes of the kinds real models train and serve with (issue [8]): GQA training, sliding windows,
+    head dims that are not powers of two, MLA's D=192 / Dv=128, D=256.  Varlen packing, chunked prefill and
+    ragged paged decode need their own shape kinds (not here yet)."""
+    return [
+        Shape("llama3-8b-train", 4, 4096, 4096, 32, 8, 128, causal=True),
+        Shape("mistral-7b-swa", 1, 16384, 16384, 32, 8, 128, causal=True, window=4096),
+        Shape("gemma2-9b-swa", 2, 8192, 8192, 16, 8, 256, causal=True, window=4096),
+        Shape("gemma2-9b", 2, 8192, 8192, 16, 8, 256, causal=True),
+        Shape("phi3-mini", 4, 4096, 4096, 32, 32, 96, causal=True),
+        Shape("vit-h14", 8, 2048, 2048, 16, 16, 80),
+        Shape("dit-xl", 8, 4096, 4096, 16, 16, 72),
+        Shape("deepseek-v3-mla-prefill", 1, 4096, 4096, 128, 128, 192, dv=128, causal=True),
+        Shape("fa3-hdim256", 4, 4096, 4096, 8, 8, 256),
+    ]
+
+
 def long(ss=(32768, 65536, 131072)) -> list[Shape]:
     return [Shape("long", 1, s, s, 16, 16, 128, causal=True) for s in ss]
 
@@ -89,11 +124,13 @@ def gpu_suite(name: str, quick: bool = False) -> list[Shape]:
         return standard(ds=(64, 128), ss=(1024, 4096), causals=(False, True)) if quick else standard()
     if name == "models":
         return [s for s in models() if s.sq <= 4096][:3] if quick else models()
+    if name == "workloads":
+        return [s for s in workloads() if s.sq <= 4096][:3] if quick else workloads()
     if name == "long":
         return long(ss=(32768,)) if quick else long()
     if name == "decode":
         return [s for s in decode() if s.b == 16] if quick else decode()
-    raise ValueError(f"suite must be one of standard, models, long, decode; got {name!r}")
+    raise ValueError(f"suite must be one of standard, models, workloads, long, decode; got {name!r}")
 
 
 # ----------------------------------------------------------------------------- CPU main job
