@@ -47,10 +47,63 @@ def test_sdpa_peer_refuses_a_window():
         peers.dense_fn("sdpa-cudnn", s, q, k, v)()
 
 
-def test_flex_window_mask_is_the_visibility_rule():
-    for causal, window in ((True, 5), (False, 3)):
-        s = Shape("t", 1, 20, 20, 1, 1, 16, causal=causal, window=window)
-        mod = peers._window_mod(*s.window_size)
+def test_flex_mask_mods_are_the_visibility_rule():
+    for kw in (dict(causal=True, window=5), dict(causal=False, window=3), dict(causal=True)):
+        s = Shape("t", 1, 20, 20, 1, 1, 16, **kw)
+        left, right = s.window_size if s.window >= 0 else (-1, 0)
         i, j = torch.arange(20)[:, None], torch.arange(20)[None, :]
-        left, right = s.window_size
-        assert torch.equal(mod(0, 0, i, j), visible(i, j, 20, 20, left, right).reshape(20, 20))
+        assert torch.equal(peers._mask_mod(s, "cpu")(0, 0, i, j), visible(i, j, 20, 20, left, right).reshape(20, 20))
+    chunk = Shape("t", 1, 6, 20, 1, 1, 16, causal=True, kind="chunked", modes=("fwd",))
+    i, j = torch.arange(6)[:, None], torch.arange(20)[None, :]
+    assert torch.equal(peers._mask_mod(chunk, "cpu")(0, 0, i, j), j <= i + 14)      # bottom-right
+    docs = Shape("t", 1, 9, 9, 1, 1, 16, causal=True, kind="varlen", docs=(2, 3, 4))
+    i, j = torch.arange(9)[:, None], torch.arange(9)[None, :]
+    doc = torch.tensor([0, 0, 1, 1, 1, 2, 2, 2, 2])
+    assert torch.equal(peers._mask_mod(docs, "cpu")(0, 0, i, j), (doc[:, None] == doc[None, :]) & (j <= i))
+
+
+def test_varlen_shape_runs_packed_documents():
+    s = Shape("t", 1, 23, 23, 4, 2, 16, causal=True, kind="varlen", docs=(5, 17, 1), dtype="float32")
+    q, k, v = peers.make_inputs(s, torch.device("cpu"), requires_grad=True)
+    out = peers.dense_fn("flashport", s, q, k, v)()
+    assert out.shape == (1, 23, 4, 16)
+    start = 0
+    for n in s.docs:
+        sl = slice(start, start + n)
+        ref, _ = materialized_attention(q[:, sl], k[:, sl], v[:, sl], scale=16 ** -0.5, left=-1, right=0)
+        torch.testing.assert_close(out[:, sl], ref, atol=1e-5, rtol=1e-5)
+        start += n
+    out.sum().backward()
+    assert q.grad is not None
+    with pytest.raises(peers.NotApplicable):
+        peers.dense_fn("sdpa-fa2", s, q, k, v)
+    pairs = 5 * 6 // 2 + 17 * 18 // 2 + 1
+    assert flops(s, "fwd") == 2 * 32 * 4 * pairs
+
+
+@pytest.mark.parametrize("page", [0, 4])
+def test_chunked_prefill_shape_reads_the_cache_bottom_right(page):
+    s = Shape("t", 2, 6, 24, 4, 2, 16, causal=True, modes=("fwd",), kind="chunked", page=page, dtype="float32")
+    q, k, v = peers.make_inputs(s, torch.device("cpu"), requires_grad=False)
+    out = peers.dense_fn("flashport", s, q, k, v)()
+    ref, _ = materialized_attention(q, k, v, scale=16 ** -0.5, left=-1, right=0)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    if not page:    # SDPA with causal_lower_right is the same problem (its math kernel on a CPU)
+        torch.testing.assert_close(peers.dense_fn("sdpa-fa2", s, q, k, v)(), ref, atol=1e-5, rtol=1e-5)
+    else:
+        with pytest.raises(peers.NotApplicable, match="paged"):
+            peers.dense_fn("sdpa-fa2", s, q, k, v)
+
+
+def test_ragged_decode_lengths_and_bytes():
+    from flashport.bench.shapes import decode_lens, kv_bytes
+    s = Shape("t", 8, 1, 64, 4, 2, 16, modes=("fwd",), kind="decode", page=16, ragged=True)
+    lens = decode_lens(s)
+    assert torch.equal(lens, decode_lens(s)) and 1 <= int(lens.min()) and int(lens.max()) <= 64
+    assert len(set(lens.tolist())) > 1
+    assert kv_bytes(s) == int(lens.sum()) * 2 * 16 * 2 * 2
+    q, kc, vc, got, table = peers.make_cache(s, torch.device("cpu"))
+    assert torch.equal(got, lens)
+    with pytest.raises(peers.NotApplicable, match="ragged"):
+        peers.decode_fn("sdpa-fa2", Shape("t", 8, 1, 64, 4, 2, 16, modes=("fwd",), kind="decode", ragged=True),
+                        q, kc, vc, got, None)

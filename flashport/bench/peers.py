@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import flashport
-from .shapes import Shape
+from .shapes import Shape, decode_lens
 
 DENSE = ("flashport-triton", "flashport", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient", "flex")
 DECODE = ("flashport-triton", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient")
@@ -81,27 +81,38 @@ def _flex():
     return _flex_fn
 
 
-def _causal_mod(b, h, q_idx, kv_idx):
-    return q_idx >= kv_idx   # the suites' causal shapes have Sq == Sk, where both alignments agree
+def _mask_mod(shape: Shape, device):
+    """FlexAttention's mask_mod for the shape, bottom-right aligned like flashport's rule; None = dense."""
+    if shape.kind == "varlen":
+        doc = torch.repeat_interleave(torch.arange(len(shape.docs), device=device),
+                                      torch.tensor(shape.docs, device=device))
 
+        def mod(b, h, q_idx, kv_idx):   # documents start together in q and k: causal is kv <= q
+            same = doc[q_idx] == doc[kv_idx]
+            return same & (kv_idx <= q_idx) if shape.causal else same
+        return mod
+    if not shape.causal and shape.window < 0:
+        return None
+    diag = shape.sk - shape.sq
+    left, right = shape.window_size if shape.window >= 0 else (-1, 0)   # right >= 0 here
 
-def _window_mod(left: int, right: int):
-    def mod(b, h, q_idx, kv_idx):   # Sq == Sk in the suites: both alignments agree
-        return (kv_idx >= q_idx - left) & (kv_idx <= q_idx + right)
+    def mod(b, h, q_idx, kv_idx):
+        seen = kv_idx <= q_idx + diag + right
+        return seen & (kv_idx >= q_idx + diag - left) if left >= 0 else seen
     return mod
 
 
 def _block_mask(shape: Shape, device):
-    """Created once per (Sq, Sk, causal, window) configuration and reused; None = no mask (dense)."""
-    if not shape.causal and shape.window < 0:
-        return None
-    key = (shape.sq, shape.sk, shape.causal, shape.window, str(device))
+    """Created once per mask configuration and reused; None = no mask (dense)."""
+    key = (shape.kind, shape.sq, shape.sk, shape.causal, shape.window, shape.docs, str(device))
     if key not in _block_masks:
+        mod = _mask_mod(shape, device)
+        if mod is None:
+            return None
         from torch.nn.attention.flex_attention import create_block_mask
         # Uncompiled, create_block_mask evaluates the mask on all Sq x Sk pairs at once (128 GiB at 131k);
         # compiled, it works block by block.
         big = shape.sq * shape.sk > 2**30
-        mod = _causal_mod if shape.window < 0 else _window_mod(*shape.window_size)
         _block_masks[key] = create_block_mask(mod, None, None, shape.sq, shape.sk, device=device, _compile=big)
     return _block_masks[key]
 
@@ -118,7 +129,11 @@ def own_kernels(q, k, v, causal: bool, window_size=(-1, -1)) -> str:
 
 
 def dense_fn(impl: str, shape: Shape, q, k, v) -> Callable[[], torch.Tensor]:
-    """fn() -> out [B, Sq, Hq, D] for a dense problem."""
+    """fn() -> out [B, Sq, Hq, Dv] for a dense, varlen (packed into B = 1) or chunked-prefill problem."""
+    if shape.kind == "varlen":
+        return _varlen_fn(impl, shape, q, k, v)
+    if shape.kind == "chunked":
+        return _chunked_fn(impl, shape, q, k, v)
     if impl == "flashport-triton":   # our kernels (Gluon where it serves, else Triton), as the static priority picks
         name = own_kernels(q, k, v, shape.causal, shape.window_size)
         return lambda: flashport.attention(q, k, v, causal=shape.causal, window_size=shape.window_size, backend=name)
@@ -127,11 +142,59 @@ def dense_fn(impl: str, shape: Shape, q, k, v) -> Callable[[], torch.Tensor]:
     if impl.startswith("sdpa-"):
         return lambda: _sdpa(q, k, v, shape.causal, shape)
     if impl == "flex":
-        fn, mask = _flex(), _block_mask(shape, q.device)
-        kw = {"enable_gqa": True} if shape.hq != shape.hkv else {}
-        return lambda: fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
-                          **kw).transpose(1, 2)
+        return _flex_call(shape, q, k, v)
     raise ValueError(f"unknown implementation {impl!r}")
+
+
+def _flex_call(shape: Shape, q, k, v):
+    fn, mask = _flex(), _block_mask(shape, q.device)
+    kw = {"enable_gqa": True} if shape.hq != shape.hkv else {}
+    return lambda: fn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), block_mask=mask,
+                      **kw).transpose(1, 2)
+
+
+def _varlen_fn(impl: str, shape: Shape, q, k, v):
+    """Packed documents: flashport's attention_varlen on q[0] etc.; FlexAttention with a document mask."""
+    if impl.startswith("sdpa-"):
+        raise NotApplicable("SDPA has no packed (varlen) form")
+    if impl == "flex":
+        return _flex_call(shape, q, k, v)
+    cu = torch.tensor((0,) + shape.docs, device=q.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    longest = max(shape.docs)
+    backend = "triton" if impl == "flashport-triton" else None
+    if impl not in ("flashport", "flashport-triton"):
+        raise ValueError(f"unknown implementation {impl!r}")
+    return lambda: flashport.attention_varlen(q[0], k[0], v[0], cu, cu, longest, longest, causal=shape.causal,
+                                              window_size=shape.window_size, backend=backend)[None]
+
+
+def _chunked_fn(impl: str, shape: Shape, q, k, v):
+    """Sq new queries after Sk - Sq cached tokens (the cache already holds the chunk's K/V): flashport's
+    attention_with_kvcache (paged when shape.page); SDPA with a bottom-right causal bias; FlexAttention."""
+    if impl.startswith("sdpa-") or impl == "flex":
+        if shape.page:
+            raise NotApplicable(f"{impl} has no paged KV cache")
+        if impl == "flex":
+            return _flex_call(shape, q, k, v)
+        from torch.nn.attention.bias import causal_lower_right
+        bias = causal_lower_right(shape.sq, shape.sk) if shape.causal else None
+        kw = {"enable_gqa": True} if shape.hq != shape.hkv else {}
+        return lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+                                                      attn_mask=bias, **kw).transpose(1, 2)
+    if impl not in ("flashport", "flashport-triton"):
+        raise ValueError(f"unknown implementation {impl!r}")
+    kc, vc, table = k, v, None
+    if shape.page:
+        nblk = shape.sk // shape.page
+        g = torch.Generator(device=q.device).manual_seed(1)
+        perm = torch.randperm(shape.b * nblk, device=q.device, generator=g)
+        table = perm.view(shape.b, nblk).to(torch.int32)
+        kc, vc = (torch.empty_like(t.reshape(shape.b * nblk, shape.page, *t.shape[2:])) for t in (k, v))
+        kc[perm], vc[perm] = (t.reshape(shape.b * nblk, shape.page, *t.shape[2:]) for t in (k, v))
+    lens = torch.full((shape.b,), shape.sk, dtype=torch.int32, device=q.device)
+    backend = "triton" if impl == "flashport-triton" else None
+    return lambda: flashport.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
+                                                    causal=shape.causal, backend=backend)
 
 
 def decode_fn(impl: str, shape: Shape, q, k_cache, v_cache, lens, block_table) -> Callable[[], torch.Tensor]:
@@ -142,6 +205,8 @@ def decode_fn(impl: str, shape: Shape, q, k_cache, v_cache, lens, block_table) -
     if impl.startswith("sdpa-"):
         if block_table is not None:
             raise NotApplicable("SDPA has no paged KV cache")
+        if shape.ragged:
+            raise NotApplicable("SDPA over a dense cache reads every slot: ragged lengths need a mask")
         return lambda: _sdpa(q, k_cache, v_cache, False, shape)
     raise ValueError(f"unknown implementation {impl!r}")
 
@@ -171,7 +236,7 @@ def make_cache(shape: Shape, device, seed: int = 0):
     else:
         kc = torch.randn(b, s, shape.hkv, shape.d, device=device, dtype=dt, generator=g)
         vc, table = torch.randn_like(kc), None
-    lens = torch.full((b,), s, dtype=torch.int32, device=device)
+    lens = decode_lens(shape).to(device)
     return q, kc, vc, lens, table
 
 

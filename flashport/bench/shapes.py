@@ -30,6 +30,8 @@ class Shape:
     dtype: str = "bfloat16"
     dv: int = 0          # value head dim; 0: the same as d
     window: int = -1     # a sliding window of this many keys to the left (with causal: Mistral / Gemma-2's)
+    docs: tuple = ()     # kind="varlen": the packed documents' lengths (b = 1, sq = sk = their sum)
+    ragged: bool = False  # kind="decode": cache lengths drawn in [1, sk] (decode_lens), not all sk
 
     @property
     def head_dim_v(self) -> int:
@@ -52,7 +54,13 @@ class Shape:
     def label(self) -> str:
         if self.kind == "decode":
             return f"{self.name} b{self.b} kv{self.sk} h{self.hq}/{self.hkv} d{self.d}" + \
-                (f" page{self.page}" if self.page else " dense")
+                (f" page{self.page}" if self.page else " dense") + (" ragged" if self.ragged else "")
+        heads = f"h{self.hq}" if self.hq == self.hkv else f"h{self.hq}/{self.hkv}"
+        if self.kind == "varlen":
+            return f"{self.name} docs{len(self.docs)} t{self.sq} {heads} d{self.d}" + (" causal" if self.causal else "")
+        if self.kind == "chunked":
+            return f"{self.name} b{self.b} q{self.sq} kv{self.sk} {heads} d{self.d}" + \
+                (f" page{self.page}" if self.page else "") + (" causal" if self.causal else "")
         heads = f"h{self.hq}" if self.hq == self.hkv else f"h{self.hq}/{self.hkv}"
         return (f"{self.name} b{self.b} s{self.sq} {heads} d{self.d}" + (f" dv{self.dv}" if self.dv else "")
                 + (" causal" if self.causal else "") + (f" window{self.window}" if self.window >= 0 else ""))
@@ -61,18 +69,40 @@ class Shape:
 def flops(shape: Shape, mode: str) -> float:
     """FlashAttention's convention: fwd 2*(D+Dv)*B*H*Sq*Sk (4*B*H*Sq*Sk*D), halved for causal; a window
     counts its visible pairs; bwd 2.5x fwd."""
+    from ..monitor import visible_pairs
     per_pair = 2.0 * (shape.d + shape.head_dim_v) * shape.b * shape.hq
-    if shape.window >= 0:
-        from ..monitor import visible_pairs
+    if shape.kind == "varlen":
+        f = per_pair * sum(visible_pairs(n, n, *(shape.window_size if shape.window >= 0 else
+                                                 ((-1, 0) if shape.causal else (-1, -1)))) for n in shape.docs)
+    elif shape.kind == "chunked":   # bottom-right aligned: the chunk's rows see the whole cache before them
+        f = per_pair * visible_pairs(shape.sq, shape.sk, -1, 0 if shape.causal else -1)
+    elif shape.window >= 0:
         f = per_pair * visible_pairs(shape.sq, shape.sk, *shape.window_size)
     else:
         f = per_pair * shape.sq * shape.sk / (2 if shape.causal else 1)
     return f * (2.5 if mode == "bwd" else 1.0)
 
 
+def decode_lens(shape: Shape) -> torch.Tensor:
+    """int32 [B] cache lengths of a decode shape: all Sk, or (ragged) drawn in [1, Sk] from a fixed seed."""
+    if not shape.ragged:
+        return torch.full((shape.b,), shape.sk, dtype=torch.int32)
+    g = torch.Generator().manual_seed(shape.b * 7919 + shape.sk)
+    return torch.randint(1, shape.sk + 1, (shape.b,), generator=g, dtype=torch.int32)
+
+
 def kv_bytes(shape: Shape) -> int:
-    """Bytes of K and V a decode step must read: B * Sk * Hkv * D * 2 tensors * element size."""
-    return shape.b * shape.sk * shape.hkv * shape.d * 2 * torch.finfo(shape.torch_dtype).bits // 8
+    """Bytes of K and V a decode step must read: (sum of the cache lengths) * Hkv * D * 2 tensors * element size."""
+    return int(decode_lens(shape).sum()) * shape.hkv * shape.d * 2 * torch.finfo(shape.torch_dtype).bits // 8
+
+
+def _docs(n: int, total: int, seed: int, shortest: int = 17) -> tuple:
+    """n document lengths summing to `total`, each at least `shortest`, drawn from a fixed seed."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.rand(n, generator=g) ** 2 + 1e-3
+    lens = (shortest + (w / w.sum() * (total - n * shortest)).floor()).to(torch.int64)
+    lens[0] += total - int(lens.sum())
+    return tuple(int(x) for x in lens)
 
 
 def standard(ds=(64, 128, 256), ss=(512, 1024, 2048, 4096, 8192, 16384), causals=(False, True)) -> list[Shape]:
@@ -95,7 +125,8 @@ def models() -> list[Shape]:
 def workloads() -> list[Shape]:
     """Shapes of the kinds real models train and serve with (issue [8]): GQA training, sliding windows,
     head dims that are not powers of two, MLA's D=192 / Dv=128, D=256.  Varlen packing, chunked prefill and
-    ragged paged decode need their own shape kinds (not here yet)."""
+    ragged paged decode as their own kinds ("varlen", "chunked": attention_with_kvcache with Sq > 1, "decode"
+    with ragged lengths)."""
     return [
         Shape("llama3-8b-train", 4, 4096, 4096, 32, 8, 128, causal=True),
         Shape("mistral-7b-swa", 1, 16384, 16384, 32, 8, 128, causal=True, window=4096),
@@ -106,6 +137,13 @@ def workloads() -> list[Shape]:
         Shape("dit-xl", 8, 4096, 4096, 16, 16, 72),
         Shape("deepseek-v3-mla-prefill", 1, 4096, 4096, 128, 128, 192, dv=128, causal=True),
         Shape("fa3-hdim256", 4, 4096, 4096, 8, 8, 256),
+        Shape("packed-docs", 1, 16384, 16384, 32, 8, 128, causal=True, kind="varlen",
+              docs=(3000, 2900, 2500, 2200, 2100, 1800, 1200, 667, 17)),
+        Shape("packed-docs", 1, 32768, 32768, 32, 8, 128, causal=True, kind="varlen", docs=_docs(40, 32768, 1)),
+        Shape("chunked-prefill", 4, 1024, 8192, 32, 8, 128, causal=True, modes=("fwd",), kind="chunked"),
+        Shape("chunked-prefill", 4, 1024, 8192, 32, 8, 128, causal=True, modes=("fwd",), kind="chunked", page=16),
+        Shape("spec-verify", 32, 16, 4096, 32, 8, 128, causal=True, modes=("fwd",), kind="chunked", page=16),
+        Shape("ragged-decode", 64, 1, 16384, 64, 8, 128, modes=("fwd",), kind="decode", page=16, ragged=True),
     ]
 
 

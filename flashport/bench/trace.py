@@ -15,7 +15,7 @@ import torch
 
 import flashport
 
-from .peers import make_cache, make_inputs
+from .peers import dense_fn, make_cache, make_inputs
 from .shapes import Shape
 
 
@@ -25,7 +25,7 @@ def _step(shape: Shape, device) -> None:
         flashport.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table)
         return
     q, k, v = make_inputs(shape, device, requires_grad="bwd" in shape.modes)
-    out = flashport.attention(q, k, v, causal=shape.causal, window_size=shape.window_size)
+    out = dense_fn("flashport", shape, q, k, v)()
     if out.requires_grad:
         out.backward(torch.ones_like(out))
 
