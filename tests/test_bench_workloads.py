@@ -107,3 +107,19 @@ def test_ragged_decode_lengths_and_bytes():
     with pytest.raises(peers.NotApplicable, match="ragged"):
         peers.decode_fn("sdpa-fa2", Shape("t", 8, 1, 64, 4, 2, 16, modes=("fwd",), kind="decode", ragged=True),
                         q, kc, vc, got, None)
+
+
+def test_ratios_to_the_best_peer_and_the_workloads_plot(tmp_path):
+    from flashport.bench import gpu, report
+    s = Shape("t", 1, 64, 64, 2, 2, 16, causal=True)
+    dec = Shape("r", 4, 1, 64, 2, 2, 16, modes=("fwd",), kind="decode", page=16, ragged=True)
+
+    def e(shape, impl, ms, **kw):
+        return dict(label=shape.label(), shape=shape.as_dict(), impl=impl, mode="fwd", status="ok", ms=ms, **kw)
+    entries = [e(s, "flashport", 2.0, tflops=1.0), e(s, "sdpa-cudnn", 1.0, tflops=2.0), e(s, "flex", 3.0, tflops=0.5),
+               e(dec, "flashport-triton", 1.0, gbps=1.0, frac_of_copy=0.7)]
+    gpu.add_ratios(entries, {})
+    assert entries[0]["vs_best_peer"] == 0.5 and "vs_best_peer" not in entries[3]
+    doc = {"suite": "workloads", "results": entries, "ceilings": {}, "environment": {"card": "test card"}}
+    report.plot_gpu(doc, str(tmp_path / "w.png"))
+    assert (tmp_path / "w.png").stat().st_size > 1000

@@ -185,6 +185,9 @@ def plot_gpu(doc: dict, path: str) -> None:
         fig.savefig(path, dpi=110)
         plt.close(fig)
         return
+    if doc["suite"] == "workloads":
+        _ratio_bars(plt, doc, ok, path)
+        return
     if decode or doc["suite"] == "models":
         _bars(plt, doc, ok, path, "gbps" if decode else "tflops")
         return
@@ -214,6 +217,34 @@ def plot_gpu(doc: dict, path: str) -> None:
     axes[0][0].legend(fontsize=7)
     fig.suptitle(f"flashport bench --suite {doc['suite']} on {doc['environment']['card']} "
                  f"(matmul ceiling dotted)", fontsize=10)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _ratio_bars(plt, doc, ok, path):
+    """Per cell, each flashport implementation's ratio to the best peer that serves it (best peer ms / ours,
+    > 1 is faster); a cell no peer serves (ragged paged decode) shows its fraction of the copy ceiling."""
+    mine = [e for e in ok if e["impl"].startswith("flashport")]
+    groups = list(dict.fromkeys((e["label"], e["mode"]) for e in mine))
+    impls = list(dict.fromkeys(e["impl"] for e in mine))
+    width = 0.8 / max(1, len(impls))
+    fig, ax = plt.subplots(figsize=(max(8, 0.9 * len(groups)), 5.5))
+    for n, impl in enumerate(impls):
+        vals = []
+        for g in groups:
+            e = next((x for x in mine if (x["label"], x["mode"]) == g and x["impl"] == impl), {})
+            vals.append(e.get("vs_best_peer") or e.get("graph_frac_of_copy") or e.get("frac_of_copy") or 0)
+        ax.bar([i + n * width for i in range(len(groups))], vals, width, label=impl)
+    ax.axhline(1.0, color="grey", ls=":", lw=1)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
+    peerless = {(e["label"], e["mode"]) for e in mine if e.get("vs_best_peer") is None}
+    ax.set_xticklabels([f"{lab}\n{mode}" + (" (of copy)" if (lab, mode) in peerless else "") for lab, mode in groups],
+                       rotation=35, ha="right", fontsize=6)
+    ax.set_ylabel("best peer ms / flashport ms  (> 1: faster)")
+    ax.legend(fontsize=8)
+    ax.grid(True, axis="y", alpha=0.3)
+    ax.set_title(f"flashport bench --suite workloads on {doc['environment']['card']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
