@@ -237,14 +237,19 @@ def _ratio_bars(plt, doc, ok, path):
             vals.append(e.get("vs_best_peer") or e.get("graph_frac_of_copy") or e.get("frac_of_copy") or 0)
         ax.bar([i + n * width for i in range(len(groups))], vals, width, label=impl)
     ax.axhline(1.0, color="grey", ls=":", lw=1)
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
     peerless = {(e["label"], e["mode"]) for e in mine if e.get("vs_best_peer") is None}
-    ax.set_xticklabels([f"{lab}\n{mode}" + (" (of copy)" if (lab, mode) in peerless else "") for lab, mode in groups],
-                       rotation=35, ha="right", fontsize=6)
-    ax.set_ylabel("best peer ms / flashport ms  (> 1: faster)")
+    _finish_bars(plt, fig, ax, doc, path, width,
+                 [f"{lab}\n{mode}" + (" (of copy)" if (lab, mode) in peerless else "") for lab, mode in groups],
+                 "best peer ms / flashport ms  (> 1: faster)")
+
+
+def _finish_bars(plt, fig, ax, doc, path, width, ticks, ylabel) -> None:
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(ticks))])
+    ax.set_xticklabels(ticks, rotation=30, ha="right", fontsize=6 if len(ticks) > 16 else 7)
+    ax.set_ylabel(ylabel)
     ax.legend(fontsize=8)
     ax.grid(True, axis="y", alpha=0.3)
-    ax.set_title(f"flashport bench --suite workloads on {doc['environment']['card']}", fontsize=10)
+    ax.set_title(f"flashport bench --suite {doc['suite']} on {doc['environment']['card']}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -265,12 +270,5 @@ def _bars(plt, doc, ok, path, key):
     ceiling = doc["ceilings"].get("copy_gbps" if key == "gbps" else "matmul_bf16_tflops")
     if ceiling:
         ax.axhline(ceiling, color="grey", ls=":", lw=1, label="copy ceiling" if key == "gbps" else "matmul ceiling")
-    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(groups))])
-    ax.set_xticklabels([f"{lab}\n{mode}" for lab, mode in groups], rotation=30, ha="right", fontsize=7)
-    ax.set_ylabel("GB/s of K+V read" if key == "gbps" else "TFLOP/s")
-    ax.legend(fontsize=8)
-    ax.grid(True, axis="y", alpha=0.3)
-    ax.set_title(f"flashport bench --suite {doc['suite']} on {doc['environment']['card']}", fontsize=10)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    _finish_bars(plt, fig, ax, doc, path, width, [f"{lab}\n{mode}" for lab, mode in groups],
+                 "GB/s of K+V read" if key == "gbps" else "TFLOP/s")
