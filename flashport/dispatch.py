@@ -279,12 +279,10 @@ def _named(spec: AttnSpec, name: str) -> Plan:
     return Plan(f, b)
 
 
-def _candidates(spec: AttnSpec, tried: list, quarantine: bool = True) -> list[Backend]:
+def _candidates(spec: AttnSpec, tried: list) -> list[Backend]:
     out = []
     for b in _REGISTRY.values():
-        if quarantine and rollout.is_quarantined(b.name):
-            tried.append(f"  - {b.name}: quarantined ({rollout.is_quarantined(b.name)})")
-        elif not b.auto:
+        if not b.auto:
             tried.append(f"  - {b.name}: never chosen automatically (name it to use it)")
         elif b.auto_devices and spec.device.type not in b.auto_devices:
             tried.append(f"  - {b.name}: not chosen automatically on {spec.device.type} (name it to use it)")
@@ -299,7 +297,7 @@ def options(spec: AttnSpec, tried: list | None = None, quarantine: bool = True) 
     """Every plan auto-selection may take for `spec`, in static-priority order (preferred first);
     quarantine=False: as if no backend were quarantined."""
     tried = [] if tried is None else tried
-    cands = _candidates(spec, tried, quarantine)
+    cands = _candidates(spec, tried)   # a quarantined one is refused by _reasons, with why
     fwd_ok, bwd_ok = [], []
     for b in cands:
         rf = _reasons(b, spec, "fwd", quarantine)

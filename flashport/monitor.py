@@ -15,6 +15,7 @@ tool attached).  FLASHPORT_RANGES=0 switches both off, to measure what they cost
 """
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
 import threading
@@ -56,11 +57,8 @@ def guard_result(backend: str, ratio: float) -> None:
         row = _stats[backend]
         row["guard_checks"] += 1
         row["guard_failures"] += int(not ratio <= 1.0)
-        hist = _guard_hist[backend]
-        for i in range(len(GUARD_BINS) - 1):
-            if ratio < GUARD_BINS[i + 1] or i == len(GUARD_BINS) - 2:
-                hist[i] += 1
-                break
+        # the bin [edge_i, edge_i+1) holding ratio; inf and NaN land in the last one
+        _guard_hist[backend][min(bisect.bisect_right(GUARD_BINS, ratio), len(GUARD_BINS) - 1) - 1] += 1
         _guard_max[backend] = max(_guard_max[backend], ratio)
         _guard_sum[backend] += ratio
 
@@ -227,38 +225,35 @@ def bracket_output(rng: _Range, out):
 
 
 # ----------------------------------------------------------------------------- caches
+def _own_objects():
+    """(qualified name, object) of everything defined in a loaded flashport module (not what it imports)."""
+    import sys
+    for mod_name, mod in list(sys.modules.items()):
+        if mod_name.startswith("flashport") and mod is not None:
+            for attr, obj in list(vars(mod).items()):
+                if getattr(obj, "__module__", None) == mod_name:
+                    yield f"{mod_name}.{attr}", obj
+
+
 def cache_sizes() -> dict[str, int]:
     """Entries held by every cache flashport owns, by name: the dispatcher's memo, each functools cache
     in a loaded flashport module, and each Triton / Gluon kernel's compiled variants (summed over
     devices) and autotuner choices.  A leak test reads it before and after: every entry must be flat."""
-    import sys
     from . import dispatch
     out = {"dispatch._memo": len(dispatch._memo)}
-    for mod_name, mod in list(sys.modules.items()):
-        if not mod_name.startswith("flashport") or mod is None:
-            continue
-        for attr, obj in list(vars(mod).items()):
-            if getattr(obj, "__module__", None) != mod_name:
-                continue          # imported from elsewhere: counted where it is defined
-            name = f"{mod_name.removeprefix('flashport.')}.{attr}"
-            if hasattr(obj, "cache_info"):
-                out[name] = obj.cache_info().currsize
-            elif hasattr(obj, "cache") and hasattr(obj, "fn") and isinstance(obj.cache, dict):
-                out[name + " (autotune)"] = len(obj.cache)
-                obj = obj.fn
-            if hasattr(obj, "device_caches"):
-                out[name + " (compiled)"] = sum(len(c[0]) for c in list(obj.device_caches.values()))
+    for qualname, obj in _own_objects():
+        name = qualname.removeprefix("flashport.")
+        if hasattr(obj, "cache_info"):
+            out[name] = obj.cache_info().currsize
+        elif hasattr(obj, "cache") and hasattr(obj, "fn") and isinstance(obj.cache, dict):
+            out[name + " (autotune)"] = len(obj.cache)
+            obj = obj.fn
+        if hasattr(obj, "device_caches"):
+            out[name + " (compiled)"] = sum(len(c[0]) for c in list(obj.device_caches.values()))
     return out
 
 
 def unbounded_caches() -> list[str]:
     """functools caches in loaded flashport modules declared without a size limit."""
-    import sys
-    out = []
-    for mod_name, mod in list(sys.modules.items()):
-        if mod_name.startswith("flashport") and mod is not None:
-            for attr, obj in list(vars(mod).items()):
-                if getattr(obj, "__module__", None) == mod_name and hasattr(obj, "cache_parameters") \
-                        and obj.cache_parameters()["maxsize"] is None:
-                    out.append(f"{mod_name}.{attr}")
-    return sorted(out)
+    return sorted(name for name, obj in _own_objects()
+                  if hasattr(obj, "cache_parameters") and obj.cache_parameters()["maxsize"] is None)
