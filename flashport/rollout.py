@@ -214,6 +214,12 @@ def _verdict(spec, parts, tolerance):
     kw = dict(scale=spec.softmax_scale, softcap=spec.softcap, alibi=alibi, left=spec.window_left,
               right=spec.window_right, seqlens_k=seqlens_k, rows=rows, seqlen_q=seqlen_q)
     qd, kd, vd, gotd = q.double(), k.double(), v.double(), got.double()
+    if valid is not None:       # rows past a varlen sequence's end (an empty one has none) are not checked
+        qd = torch.where(valid[None, :, None, None], qd, 0.0)
+    if seqlens_k is not None:   # slots past a cache's length may hold garbage (even NaN): out of the magnitudes
+        seen = torch.arange(k.shape[1], device=k.device)[None, :] < seqlens_k.to(torch.int64)[:, None]
+        seen = seen[..., None, None]
+        kd, vd = torch.where(seen, kd, 0.0), torch.where(seen, vd, 0.0)
     ref, lse = materialized_attention(qd, kd, vd, **kw)
     diff = (gotd - ref).abs()
     if valid is not None:

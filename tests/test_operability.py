@@ -182,6 +182,34 @@ def test_guard_catches_errors_on_varlen_and_kvcache(faulty_first, kind):
     assert "faulty" in flashport.quarantined()
 
 
+def test_guard_ignores_garbage_past_a_caches_length():
+    # found by the fuzzer with the guard at 1.0: NaN / inf in unused cache slots made the bound NaN, and a
+    # correct backend was quarantined
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(2, 1, 4, 16, generator=g, dtype=torch.float32).to(torch.bfloat16)
+    kc, vc = (torch.randn(2, 16, 2, 16, generator=g).to(torch.bfloat16) for _ in range(2))
+    kc[0, 5:], vc[0, 5:] = float("nan"), float("inf")
+    with flashport.guard(sample_rate=1.0):
+        for _ in range(4):
+            flashport.attention_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([5, 16], dtype=torch.int32))
+    st = flashport.stats()["blockwise"]
+    assert st["guard_checks"] == 4 and st["guard_failures"] == 0 and flashport.quarantined() == {}
+
+
+def test_guard_ignores_rows_past_a_varlen_sequence():
+    # also found by the fuzzer: an empty sequence left only rows past its end (here NaN padding) to check
+    g = torch.Generator().manual_seed(4)
+    q = torch.randn(14, 2, 16, generator=g)
+    k, v = torch.randn(12, 2, 16, generator=g), torch.randn(12, 2, 16, generator=g)
+    q[9:] = float("nan")
+    cu_q, cu_k = torch.tensor([0, 9, 9], dtype=torch.int32), torch.tensor([0, 7, 12], dtype=torch.int32)
+    with flashport.guard(sample_rate=1.0):
+        for _ in range(8):
+            flashport.attention_varlen(q, k, v, cu_q, cu_k, 9, 7, alibi_slopes=torch.tensor([0.5, 0.25]))
+    st = flashport.stats()["blockwise"]
+    assert st["guard_checks"] == 8 and st["guard_failures"] == 0 and flashport.quarantined() == {}
+
+
 def test_guard_setting_process_wide_and_as_a_block():
     flashport.guard(sample_rate=0.25)                  # process-wide from here
     q, k, v = _qkv(grad=False)
@@ -349,3 +377,15 @@ def test_every_cache_is_bounded_and_counted():
     if isinstance(attn_fwd._attn_fwd, JITFunction):   # not when imported under TRITON_INTERPRET=1
         assert "kernels.attn_fwd._attn_fwd (compiled)" in sizes
         assert "kernels.attn_fwd_hopper._attn_fwd_hopper (compiled)" in sizes
+
+
+def test_guard_never_quarantines_a_correct_backend_over_the_fuzzer():
+    """The fuzzer's random calls (every entry point, mask, dtype, layout, garbage past lengths) with the
+    guard checking each one: the exact backends must never be judged wrong."""
+    from flashport.fuzz.driver import run_fuzz
+    with flashport.guard(sample_rate=1.0):
+        results, summary = run_fuzz(n=300, seed=11, device="cpu", verbose=False)
+        assert flashport.quarantined() == {}
+    st = flashport.stats()
+    assert sum(d["guard_checks"] for d in st.values()) >= 200
+    assert all(d["guard_failures"] == 0 for d in st.values())
