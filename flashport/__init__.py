@@ -5,6 +5,7 @@ from .dispatch import BackendInfo, UnsupportedError, backends, use_backend
 from .monitor import reset_stats, stats
 from .rollout import guard, quarantined, release_quarantine
 from . import backend as _backend  # noqa: F401  (registers the built-in backends, in auto order)
+from . import compat  # noqa: F401  (FlashAttention-2's API: flashport.compat.flash_attn_func, ...)
 
 __version__ = "0.1.0"
 

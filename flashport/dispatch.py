@@ -245,14 +245,21 @@ def select(spec: AttnSpec, backend: str | None = None) -> Plan:
     return select_counted(spec, backend)[0]
 
 
-def select_counted(spec: AttnSpec, backend: str | None = None) -> tuple[Plan, bool]:
+# How auto treats backends that keep their own forward state (PyTorch SDPA's kernels), whose backward
+# cannot run from (out, lse) alone: "any" (eager calls), "prefer_lse" (the custom ops of flashport/ops.py,
+# where an own-state backward would recompute its forward) or "lse_only" (the SDPA hook, where an
+# own-state backend would call back into the hook itself).
+STATES = ("any", "prefer_lse", "lse_only")
+
+
+def select_counted(spec: AttnSpec, backend: str | None = None, state: str = "any") -> tuple[Plan, bool]:
     """(plan, fallback): fallback is True where auto took this plan only because its first choice is
     quarantined or because no fast GPU backend serves the call (stats() counts those calls)."""
-    name = _requested(backend)
-    key = (spec, name, env.raws(_KEY_SWITCHES))
+    name = _requested(backend) if state != "lse_only" else None
+    key = (spec, name, state, env.raws(_KEY_SWITCHES))
     hit = _memo.get(key)
     if hit is None:
-        hit = (_named(spec, name), False) if name is not None else _auto(spec)
+        hit = (_named(spec, name), False) if name is not None else _auto(spec, state)
         if len(_memo) >= MEMO_SIZE:   # bounded: a server that sees every sequence length must not grow
             for k in list(_memo)[:MEMO_SIZE // 2]:
                 del _memo[k]
@@ -328,10 +335,19 @@ def options(spec: AttnSpec, tried: list | None = None, quarantine: bool = True) 
     return plans
 
 
-def _auto(spec: AttnSpec) -> tuple[Plan, bool]:
+def _lse_plans(spec: AttnSpec, plans: list[Plan], state: str) -> list[Plan]:
+    if state == "any" or (state == "prefer_lse" and not spec.needs_grad):
+        return plans
+    lse = [p for p in plans if p.fwd.caps.saved_state == "lse" and p.bwd.caps.saved_state == "lse"]
+    return lse if lse or state == "lse_only" else plans
+
+
+def _auto(spec: AttnSpec, state: str = "any") -> tuple[Plan, bool]:
     tried: list = []
-    plans = options(spec, tried)
+    plans = _lse_plans(spec, options(spec, tried), state)
     if not plans:
+        if state == "lse_only":
+            tried.append("  - backends that keep their own forward state (sdpa-*) cannot serve PyTorch's SDPA hook")
         raise UnsupportedError("no backend can serve this call:\n" + "\n".join(tried))
     from . import table
     plan = table.best(spec, plans)
@@ -339,7 +355,7 @@ def _auto(spec: AttnSpec) -> tuple[Plan, bool]:
     plan = plan or plans[0]
     fallback = False
     if rollout._quarantined:
-        every = options(spec, [], quarantine=False)
+        every = _lse_plans(spec, options(spec, [], quarantine=False), state) or plans
         first = table.best(spec, every) or every[0]
         fallback = first.name != plan.name
     if log.isEnabledFor(logging.DEBUG):
@@ -355,4 +371,4 @@ def _warn_slow(b: Backend, spec: AttnSpec) -> None:
         tried: list = []
         options(spec, tried)
         warnings.warn(f"flashport: no fast GPU backend serves this call, running on {b.name!r} "
-                      f"(PyTorch-op speed). Reasons:\n" + "\n".join(tried), RuntimeWarning, stacklevel=4)
+                      f"(PyTorch-op speed). Reasons:\n" + "\n".join(tried), RuntimeWarning, stacklevel=5)

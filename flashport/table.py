@@ -79,12 +79,39 @@ def shipped_path(device) -> Path:
     return SHIPPED / f"selection-{_slug(machine_key(device)['gpu'])}.json"
 
 
+NEAREST = 3   # how far (in log2 steps of Sq, Sk, batch x heads and GQA ratio, summed) a bucket may stand in
+
+
+def _split(name: str) -> tuple[str, tuple[int, ...]] | None:
+    """"dense|d128|...|g4|q13|k13|bh5" -> ("dense|d128|...", (log2 g, 13, 13, 5)); None if malformed."""
+    parts = name.split("|")
+    try:
+        g, q, k, bh = int(parts[-4][1:]), int(parts[-3][1:]), int(parts[-2][1:]), int(parts[-1][2:])
+    except (IndexError, ValueError):
+        return None
+    return "|".join(parts[:-4]), (round(math.log2(g)) if g > 0 else 0, q, k, bh)
+
+
 class Table:
     def __init__(self, path: str, key: dict, buckets: dict):
         self.path, self.key, self.buckets = path, key, buckets
+        self._by_kind: dict = {}
+        for name in buckets:
+            split = _split(name)
+            if split:
+                self._by_kind.setdefault(split[0], []).append((split[1], name))
 
     def entry(self, spec) -> dict | None:
-        return self.buckets.get(bucket(spec))
+        """The call's bucket, else the nearest measured bucket of the same kind (entry point, head dims, dtype,
+        mask, features) within NEAREST log2 steps: the ranking of backends moves slowly with size, so a
+        Llama layer at B=4 is better served by the B=2 measurement than by the static priority."""
+        name = bucket(spec)
+        if name in self.buckets:
+            return self.buckets[name]
+        kind, at = _split(name)
+        near = [(sum(abs(a - b) for a, b in zip(at, pos)), other) for pos, other in self._by_kind.get(kind, ())]
+        near = [n for n in near if n[0] <= NEAREST]
+        return self.buckets[min(near)[1]] if near else None
 
 
 def _read(path: Path, want: dict) -> tuple[Table | None, str | None]:

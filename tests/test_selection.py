@@ -73,6 +73,23 @@ def test_a_tuned_table_is_read_by_its_key(monkeypatch, tmp_path):
     assert table.describe("cpu")["status"] == "in force"
 
 
+def test_the_nearest_bucket_of_the_same_kind_stands_in(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHPORT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(dispatch._REGISTRY, "fake-fast", _Fake())
+    spec = _spec()
+    name = table.bucket(spec)
+    *kind, g, q, k, bh = name.split("|")
+    near = "|".join([*kind, g, f"q{int(q[1:]) + 1}", f"k{int(k[1:]) + 1}", bh])        # 2 log2 steps away
+    far = "|".join([*kind, g, f"q{int(q[1:]) + 4}", k, bh])                           # 4 steps away
+    other = "|".join([kind[0], "d32", *kind[2:], g, q, k, bh])                        # another head dim
+    fast = {"fwd": {"blockwise": 2.0, "fake-fast": 1.0}, "bwd": {}}
+    for buckets, want in (({near: fast}, "fake-fast"), ({far: fast}, "blockwise"), ({other: fast}, "blockwise")):
+        table.save(table.user_path("cpu"), "cpu", buckets)
+        table.reload()
+        dispatch.clear_cache()
+        assert dispatch.select(spec).name == want, buckets
+
+
 def test_a_stale_table_is_ignored_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASHPORT_CACHE_DIR", str(tmp_path))
     monkeypatch.setitem(dispatch._REGISTRY, "fake-fast", _Fake())

@@ -115,6 +115,16 @@ class TritonBackend(dispatch.Backend):
             return reasons + kvcache_supports(spec)
         return list(_supports(spec, _interpreting()))
 
+    def prefers(self, spec: AttnSpec, role: str) -> bool:
+        # Where no table bucket fits: on Hopper, cuDNN runs dense calls at head dims other than 64/128/256
+        # (or Dv != D) 1.3-2x faster than these kernels, which pad such dims to the next power of two
+        # (results/issue8_h200_s12/, D = 72, 80, 96, 192/128).
+        if spec.kind != "dense" or spec.device.type != "cuda" or _interpreting():
+            return True
+        odd = spec.head_dim not in (64, 128, 256) or spec.head_dim_v != spec.head_dim
+        index = spec.device.index if spec.device.index is not None else torch.cuda.current_device()
+        return not (odd and _capability(index)[0] == 9)
+
     def forward(self, spec: AttnSpec, inputs: AttnInputs):
         if spec.kind == "kvcache":
             from ..kernels.decode import kvcache_attention

@@ -1,0 +1,114 @@
+"""Running a call once its spec is built: choose the plan, run it inside its profiler range, count it, let the
+guard sample it.  The eager entry points (api.py) and the custom ops (ops.py) share it."""
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+
+from . import dispatch, monitor, rollout
+from .contents import guard as guard_contents
+from .dropout import draw_rng_state
+from .kvcache import append_kv, restore_kv
+
+
+def with_rng(spec, inputs):
+    if spec.dropout_p > 0:
+        inputs.rng_state = draw_rng_state(spec.device)
+    return inputs
+
+
+def serve(spec, inputs, plan, fallback, run=None):
+    """-> (out, lse), differentiable through torch.autograd when spec.needs_grad; `run(spec, inputs)` replaces
+    plan.run (forward_only's)."""
+    name = plan.fwd.name
+    monitor.add(name, calls=1, forward=1, fallbacks=int(fallback), flops=monitor.flops(spec),
+                bytes_read=monitor.bytes_read(inputs))
+    monitor.peak(name, plan.fwd.extra_bytes(spec, "fwd"))
+    if spec.needs_grad:
+        monitor.peak(plan.bwd.name, plan.bwd.extra_bytes(spec, "bwd"))
+    own = spec.needs_grad and plan.fwd.caps.saved_state == "own"
+    if own:   # its backward runs in its own autograd: bracket it to give it a range and a count
+        rng, q, k, v = monitor.bracket_inputs(spec, name, inputs.q, inputs.k, inputs.v)
+        inputs = dataclasses.replace(inputs, q=q, k=k, v=v)
+    try:
+        with monitor.ranged(spec, name):
+            out, lse = (run or plan.run)(spec, inputs)
+    except Exception:
+        monitor.add(name, errors=1)
+        raise
+    if own:
+        out = monitor.bracket_output(rng, out)
+    check, tolerance = rollout.sampled()
+    if check:
+        rollout.check(spec, inputs, out, name, tolerance)
+    return out, lse
+
+
+def call(spec, inputs, backend, state="any"):
+    """Dense and varlen calls: select, then serve."""
+    if spec.kind == "varlen":
+        inputs = guard_contents(spec, inputs)
+    plan, fallback = dispatch.select_counted(spec, backend, state)
+    return serve(spec, with_rng(spec, inputs), plan, fallback)
+
+
+def forward_only(spec, inputs, backend, state):
+    """For a caller with its own autograd (the custom ops, the SDPA hook): the plan is chosen for `spec` (with
+    its backward when spec.needs_grad), only its forward runs -> (out, lse, saved_lse, rng_state or None).
+    saved_lse is what the backward should get as lse: the forward's own float64 lse for float64 inputs (the
+    contract's float32 lse would cost those gradients half their digits), else lse itself."""
+    if spec.kind == "varlen":
+        inputs = guard_contents(spec, inputs)
+    plan, fallback = dispatch.select_counted(spec, backend, state)
+    inputs = with_rng(spec, inputs)
+    kept = {}
+
+    def run(spec, inputs):
+        if plan.fwd.caps.saved_state != "lse":
+            return plan.run(spec, inputs)
+        out, lse, kept["private"] = plan.fwd.forward(spec, inputs)
+        return out, lse
+
+    out, lse = serve(dataclasses.replace(spec, needs_grad=False), inputs, plan, fallback, run)
+    private = kept.get("private")
+    exact = (spec.dtype == torch.float64 and isinstance(private, torch.Tensor) and private.dtype == torch.float64
+             and private.shape == lse.shape)
+    return out, lse, private if exact else lse, inputs.rng_state
+
+
+def backward_only(spec, inputs, backend, state, out, lse, dout, dlse):
+    """The backward of forward_only's call -> (dq, dk, dv).  A backend that keeps its own forward state (named
+    explicitly, or the only one serving the call) recomputes its forward under autograd first."""
+    plan, _ = dispatch.select_counted(spec, backend, state)
+    b = plan.bwd
+    if dout is None:
+        dout = torch.zeros_like(out)
+    if b.caps.saved_state != "lse":
+        with torch.enable_grad():
+            q, k, v = (t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
+            out2, _ = serve(spec, dataclasses.replace(inputs, q=q, k=k, v=v), plan, False)
+            return torch.autograd.grad(out2, (q, k, v), dout)
+    saved = dispatch.Saved(inputs.q, inputs.k, inputs.v, out, lse, None, plan.fwd.name)
+    monitor.add(b.name, backward=1, flops=monitor.flops(spec, "bwd"))
+    try:
+        with monitor.ranged(spec, b.name, backward=True):
+            return b.backward(spec, inputs, saved, dout, dlse)
+    except Exception:
+        monitor.add(b.name, errors=1)
+        raise
+
+
+def kvcache_call(spec, inputs, append, k_cache, v_cache, backend):
+    k_new, v_new, cache_seqlens = append
+    plan, fallback = dispatch.select_counted(spec, backend)  # a rejected call writes nothing into the cache
+    table = inputs.block_table   # as given (the append skips out-of-range entries itself), before guard clamps it
+    inputs = guard_contents(spec, inputs, cache_seqlens)
+    with torch.no_grad():
+        # The slots the append overwrites come back, so a call that fails after it leaves the cache as it was.
+        saved = append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, table, save=True)
+        try:
+            return serve(spec, inputs, plan, fallback)
+        except BaseException:
+            restore_kv(k_cache, v_cache, saved, cache_seqlens, table)
+            raise
