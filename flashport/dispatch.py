@@ -245,17 +245,13 @@ def select(spec: AttnSpec, backend: str | None = None) -> Plan:
     return select_counted(spec, backend)[0]
 
 
-# How auto treats backends that keep their own forward state (PyTorch SDPA's kernels), whose backward
-# cannot run from (out, lse) alone: "any" (eager calls), "prefer_lse" (the custom ops of flashport/ops.py,
-# where an own-state backward would recompute its forward) or "lse_only" (the SDPA hook, where an
-# own-state backend would call back into the hook itself).
-STATES = ("any", "prefer_lse", "lse_only")
-
-
 def select_counted(spec: AttnSpec, backend: str | None = None, state: str = "any") -> tuple[Plan, bool]:
     """(plan, fallback): fallback is True where auto took this plan only because its first choice is
-    quarantined or because no fast GPU backend serves the call (stats() counts those calls)."""
-    name = _requested(backend) if state != "lse_only" else None
+    quarantined or because no fast GPU backend serves the call (stats() counts those calls).
+    state: how auto treats backends that keep their own forward state (PyTorch SDPA's kernels), whose backward
+    cannot run from (out, lse) alone: "any" (eager calls) or "prefer_lse" (the custom ops of flashport/ops.py,
+    where an own-state backward recomputes its forward)."""
+    name = _requested(backend)
     key = (spec, name, state, env.raws(_KEY_SWITCHES))
     hit = _memo.get(key)
     if hit is None:
@@ -336,18 +332,16 @@ def options(spec: AttnSpec, tried: list | None = None, quarantine: bool = True) 
 
 
 def _lse_plans(spec: AttnSpec, plans: list[Plan], state: str) -> list[Plan]:
-    if state == "any" or (state == "prefer_lse" and not spec.needs_grad):
+    if state == "any" or not spec.needs_grad:
         return plans
     lse = [p for p in plans if p.fwd.caps.saved_state == "lse" and p.bwd.caps.saved_state == "lse"]
-    return lse if lse or state == "lse_only" else plans
+    return lse or plans
 
 
 def _auto(spec: AttnSpec, state: str = "any") -> tuple[Plan, bool]:
     tried: list = []
     plans = _lse_plans(spec, options(spec, tried), state)
     if not plans:
-        if state == "lse_only":
-            tried.append("  - backends that keep their own forward state (sdpa-*) cannot serve PyTorch's SDPA hook")
         raise UnsupportedError("no backend can serve this call:\n" + "\n".join(tried))
     from . import table
     plan = table.best(spec, plans)
@@ -355,7 +349,7 @@ def _auto(spec: AttnSpec, state: str = "any") -> tuple[Plan, bool]:
     plan = plan or plans[0]
     fallback = False
     if rollout._quarantined:
-        every = _lse_plans(spec, options(spec, [], quarantine=False), state) or plans
+        every = _lse_plans(spec, options(spec, [], quarantine=False), state)
         first = table.best(spec, every) or every[0]
         fallback = first.name != plan.name
     if log.isEnabledFor(logging.DEBUG):

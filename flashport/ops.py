@@ -157,18 +157,19 @@ _attention_varlen_backward.register_fake(_grads_fake)
 _ALIBI = 5   # position of alibi_slopes among the keyword options (causal ... backend)
 
 
-def _setup(ctx, inputs, output):
-    varlen = len(inputs) == 18
-    q, k, v = inputs[:3]
-    cu = inputs[3:5] if varlen else ()
-    ctx.lengths = tuple(inputs[5:7]) if varlen else ()     # max_seqlen_q, max_seqlen_k
-    opts = list(inputs[7 if varlen else 3:])
-    del opts[-2]                                           # needs_grad: the backward runs only where it was True
-    alibi, opts[_ALIBI] = opts[_ALIBI], None
-    ctx.opts = opts
-    ctx.n_inputs = len(inputs)
-    ctx.set_materialize_grads(False)                       # an unused lse brings no zeros into the backward
-    ctx.save_for_backward(q, k, v, *output, alibi, *cu)
+def _setup(varlen: bool):
+    def setup_context(ctx, inputs, output):
+        q, k, v = inputs[:3]
+        cu = inputs[3:5] if varlen else ()
+        ctx.lengths = tuple(inputs[5:7]) if varlen else ()     # max_seqlen_q, max_seqlen_k
+        opts = list(inputs[7 if varlen else 3:])
+        del opts[-2]                                           # needs_grad: the backward runs only where it was True
+        alibi, opts[_ALIBI] = opts[_ALIBI], None
+        ctx.opts = opts
+        ctx.n_inputs = len(inputs)
+        ctx.set_materialize_grads(False)                       # an unused lse brings no zeros into the backward
+        ctx.save_for_backward(q, k, v, *output, alibi, *cu)
+    return setup_context
 
 
 def _backward(op):
@@ -183,8 +184,8 @@ def _backward(op):
     return backward
 
 
-_attention.register_autograd(_backward(_attention_backward), setup_context=_setup)
-_attention_varlen.register_autograd(_backward(_attention_varlen_backward), setup_context=_setup)
+_attention.register_autograd(_backward(_attention_backward), setup_context=_setup(varlen=False))
+_attention_varlen.register_autograd(_backward(_attention_varlen_backward), setup_context=_setup(varlen=True))
 
 
 def attention(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, deterministic,

@@ -45,23 +45,26 @@ def serve(spec, inputs, plan, fallback, run=None):
     return out, lse
 
 
-def call(spec, inputs, backend, state="any"):
-    """Dense and varlen calls: select, then serve."""
+def _select(spec, inputs, backend, state):
+    """Dense and varlen calls -> (plan, fallback, inputs with varlen contents guarded and the dropout seed)."""
     if spec.kind == "varlen":
         inputs = guard_contents(spec, inputs)
     plan, fallback = dispatch.select_counted(spec, backend, state)
-    return serve(spec, with_rng(spec, inputs), plan, fallback)
+    return plan, fallback, with_rng(spec, inputs)
+
+
+def call(spec, inputs, backend):
+    """Dense and varlen calls: select, then serve."""
+    plan, fallback, inputs = _select(spec, inputs, backend, "any")
+    return serve(spec, inputs, plan, fallback)
 
 
 def forward_only(spec, inputs, backend, state):
-    """For a caller with its own autograd (the custom ops, the SDPA hook): the plan is chosen for `spec` (with
+    """For a caller with its own autograd (the custom ops): the plan is chosen for `spec` (with
     its backward when spec.needs_grad), only its forward runs -> (out, lse, saved_lse, rng_state or None).
     saved_lse is what the backward should get as lse: the forward's own float64 lse for float64 inputs (the
     contract's float32 lse would cost those gradients half their digits), else lse itself."""
-    if spec.kind == "varlen":
-        inputs = guard_contents(spec, inputs)
-    plan, fallback = dispatch.select_counted(spec, backend, state)
-    inputs = with_rng(spec, inputs)
+    plan, fallback, inputs = _select(spec, inputs, backend, state)
     kept = {}
 
     def run(spec, inputs):
@@ -82,8 +85,6 @@ def backward_only(spec, inputs, backend, state, out, lse, dout, dlse):
     explicitly, or the only one serving the call) recomputes its forward under autograd first."""
     plan, _ = dispatch.select_counted(spec, backend, state)
     b = plan.bwd
-    if dout is None:
-        dout = torch.zeros_like(out)
     if b.caps.saved_state != "lse":
         with torch.enable_grad():
             q, k, v = (t.detach().requires_grad_() for t in (inputs.q, inputs.k, inputs.v))
