@@ -123,3 +123,23 @@ def test_ratios_to_the_best_peer_and_the_workloads_plot(tmp_path):
     doc = {"suite": "workloads", "results": entries, "ceilings": {}, "environment": {"card": "test card"}}
     report.plot_gpu(doc, str(tmp_path / "w.png"))
     assert (tmp_path / "w.png").stat().st_size > 1000
+
+
+def test_fa4_peer_is_marked_not_installed_with_the_reason(monkeypatch):
+    import builtins
+    from flashport.bench import gpu
+    real_import = builtins.__import__
+
+    def no_fa4(name, *a, **kw):   # whether or not flash-attn-4 is installed here, the absent case is what's tested
+        if name.startswith("flash_attn"):
+            raise ImportError("No module named 'flash_attn'")
+        return real_import(name, *a, **kw)
+    monkeypatch.setattr(builtins, "__import__", no_fa4)
+    for kind, kw in (("dense", {}), ("varlen", dict(docs=(3, 5))), ("chunked", dict(modes=("fwd",)))):
+        s = Shape("t", 1, 8, 8, 2, 2, 16, causal=True, kind=kind, dtype="float32", **kw)
+        q, k, v = peers.make_inputs(s, torch.device("cpu"), requires_grad=False)
+        with pytest.raises(peers.NotInstalled, match="flash-attn-4 not installed") as e:
+            peers.dense_fn("fa4", s, q, k, v)
+        assert gpu._status(e.value) == "not installed"
+    assert "fa4" in peers.DENSE and "fa4" in peers.DECODE
+    assert set(peers.versions()) == {"flash-attn-4", "nvidia-cutlass-dsl"}

@@ -108,6 +108,22 @@ def test_blockwise_small_cases_pass():
     assert any(r["case"]["dropout_p"] > 0 and "dq" in r["quantities"] for r in results)
 
 
+def test_compiled_entry_points_pass_the_fuzzer():
+    """The fuzzer through torch.compile(fullgraph=True): the custom ops, their fake implementations and their
+    registered autograd on random calls of the whole contract (dynamo's graph count proves they were traced)."""
+    from torch._dynamo.utils import counters
+    from flashport.fuzz import execute
+    counters.clear()
+    try:
+        results, summary = _run(n=150, seed=11, compiled=True)
+    finally:
+        execute.use_compiled(False)
+    assert not _failing(summary), [(r["index"], r["note"], r["worst"]) for r in results if r["status"] != "PASS"]
+    traced = sum(v["cases"] for e, v in summary["by_entry"].items() if e != "merge")
+    assert counters["stats"]["unique_graphs"] >= traced // 4, (counters["stats"], traced)
+    assert all("--compiled" in r["repro"] for r in results)
+
+
 def test_reference_backend_passes():
     _, summary = _run(n=60, seed=9, backend="reference")
     assert not _failing(summary)

@@ -28,6 +28,8 @@ def _err(e: BaseException) -> str:
 def _status(e: BaseException) -> str:
     if isinstance(e, torch.cuda.OutOfMemoryError):
         return "oom"
+    if isinstance(e, peers.NotInstalled):
+        return "not installed"
     if isinstance(e, NotApplicable):
         return "n/a"
     return "failed"

@@ -19,12 +19,48 @@ import torch.nn.functional as F
 import flashport
 from .shapes import Shape, decode_lens
 
-DENSE = ("flashport-triton", "flashport", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient", "flex")
-DECODE = ("flashport-triton", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient")
+DENSE = ("flashport-triton", "flashport", "fa4", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient", "flex")
+DECODE = ("flashport-triton", "fa4", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient")
 
 
 class NotApplicable(Exception):
     """The implementation has no form of this problem (e.g. SDPA and a paged cache)."""
+
+
+class NotInstalled(NotApplicable):
+    """The peer's package is absent from this environment (the entry says which and why)."""
+
+
+# ----------------------------------------------------------------------------- FlashAttention-4
+def _fa4():
+    """flash_attn.cute (pip flash-attn-4: CuTe DSL kernels compiled at the first call of each shape)."""
+    try:
+        from flash_attn import cute
+    except Exception as e:   # ImportError, or the DSL failing to load its libraries
+        raise NotInstalled(f"flash-attn-4 not installed ({type(e).__name__}: {str(e).splitlines()[0][:160]})") from None
+    return cute
+
+
+def versions() -> dict:
+    """Versions of the optional peers, None where absent (recorded in every GPU bench JSON)."""
+    from importlib.metadata import PackageNotFoundError, version
+    out = {}
+    for name in ("flash-attn-4", "nvidia-cutlass-dsl"):
+        try:
+            out[name] = version(name)
+        except PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def _fa4_window(shape: Shape):
+    left, right = shape.window_size
+    return (None if left < 0 else left, None if right < 0 else right)
+
+
+def _fa4_dense(shape: Shape, q, k, v):
+    fa4 = _fa4()
+    return lambda: fa4.flash_attn_func(q, k, v, causal=shape.causal, window_size=_fa4_window(shape))[0]
 
 
 def _sdpa_backend(name: str):
@@ -143,6 +179,8 @@ def dense_fn(impl: str, shape: Shape, q, k, v) -> Callable[[], torch.Tensor]:
         return lambda: _sdpa(q, k, v, shape.causal, shape)
     if impl == "flex":
         return _flex_call(shape, q, k, v)
+    if impl == "fa4":   # FA4 aligns causal bottom-right, like flashport
+        return _fa4_dense(shape, q, k, v)
     raise ValueError(f"unknown implementation {impl!r}")
 
 
@@ -161,6 +199,11 @@ def _varlen_fn(impl: str, shape: Shape, q, k, v):
         return _flex_call(shape, q, k, v)
     cu = torch.tensor((0,) + shape.docs, device=q.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     longest = max(shape.docs)
+    if impl == "fa4":
+        fa4 = _fa4()
+        return lambda: fa4.flash_attn_varlen_func(q[0], k[0], v[0], cu_seqlens_q=cu, cu_seqlens_k=cu,
+                                                  max_seqlen_q=longest, max_seqlen_k=longest, causal=shape.causal,
+                                                  window_size=_fa4_window(shape))[0][None]
     backend = "triton" if impl == "flashport-triton" else None
     if impl not in ("flashport", "flashport-triton"):
         raise ValueError(f"unknown implementation {impl!r}")
@@ -171,6 +214,8 @@ def _varlen_fn(impl: str, shape: Shape, q, k, v):
 def _chunked_fn(impl: str, shape: Shape, q, k, v):
     """Sq new queries after Sk - Sq cached tokens (the cache already holds the chunk's K/V): flashport's
     attention_with_kvcache (paged when shape.page); SDPA with a bottom-right causal bias; FlexAttention."""
+    if impl == "fa4" and not shape.page:
+        return _fa4_dense(shape, q, k, v)
     if impl.startswith("sdpa-") or impl == "flex":
         if shape.page:
             raise NotApplicable(f"{impl} has no paged KV cache")
@@ -181,7 +226,7 @@ def _chunked_fn(impl: str, shape: Shape, q, k, v):
         kw = {"enable_gqa": True} if shape.hq != shape.hkv else {}
         return lambda: F.scaled_dot_product_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
                                                       attn_mask=bias, **kw).transpose(1, 2)
-    if impl not in ("flashport", "flashport-triton"):
+    if impl not in ("flashport", "flashport-triton", "fa4"):
         raise ValueError(f"unknown implementation {impl!r}")
     kc, vc, table = k, v, None
     if shape.page:
@@ -192,6 +237,8 @@ def _chunked_fn(impl: str, shape: Shape, q, k, v):
         kc, vc = (torch.empty_like(t.reshape(shape.b * nblk, shape.page, *t.shape[2:])) for t in (k, v))
         kc[perm], vc[perm] = (t.reshape(shape.b * nblk, shape.page, *t.shape[2:]) for t in (k, v))
     lens = torch.full((shape.b,), shape.sk, dtype=torch.int32, device=q.device)
+    if impl == "fa4":   # paged: FA4's page_table with seqused_k
+        return _fa4_paged(q, kc, vc, lens, table, shape.causal)
     backend = "triton" if impl == "flashport-triton" else None
     return lambda: flashport.attention_with_kvcache(q, kc, vc, cache_seqlens=lens, block_table=table,
                                                     causal=shape.causal, backend=backend)
@@ -202,6 +249,13 @@ def decode_fn(impl: str, shape: Shape, q, k_cache, v_cache, lens, block_table) -
     if impl == "flashport-triton":
         return lambda: flashport.attention_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
                                                         block_table=block_table, backend="triton")
+    if impl == "fa4":
+        if block_table is None and not shape.ragged:
+            return _fa4_dense(shape, q, k_cache, v_cache)
+        if block_table is None:   # ragged over a dense cache: batch-shaped q with seqused_k
+            fa4 = _fa4()
+            return lambda: fa4.flash_attn_varlen_func(q, k_cache, v_cache, seqused_k=lens)[0]
+        return _fa4_paged(q, k_cache, v_cache, lens, block_table, False)
     if impl.startswith("sdpa-"):
         if block_table is not None:
             raise NotApplicable("SDPA has no paged KV cache")
@@ -209,6 +263,12 @@ def decode_fn(impl: str, shape: Shape, q, k_cache, v_cache, lens, block_table) -
             raise NotApplicable("SDPA over a dense cache reads every slot: ragged lengths need a mask")
         return lambda: _sdpa(q, k_cache, v_cache, False, shape)
     raise ValueError(f"unknown implementation {impl!r}")
+
+
+def _fa4_paged(q, k_pages, v_pages, lens, table, causal: bool):
+    fa4 = _fa4()
+    return lambda: fa4.flash_attn_varlen_func(q, k_pages, v_pages, seqused_k=lens, page_table=table,
+                                              causal=causal)[0]
 
 
 def make_inputs(shape: Shape, device, requires_grad: bool, seed: int = 0):

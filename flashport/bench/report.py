@@ -39,9 +39,10 @@ def environment(device) -> dict:
         env["triton"] = None
     if torch.device(device).type == "cuda":
         p = torch.cuda.get_device_properties(device)
+        from .peers import versions
         env.update(card=p.name, sm_count=p.multi_processor_count, capability=f"{p.major}.{p.minor}",
                    memory_gib=round(p.total_memory / 2**30, 1), cuda=torch.version.cuda,
-                   cudnn=torch.backends.cudnn.version())
+                   cudnn=torch.backends.cudnn.version(), peer_versions=versions())
     else:
         env["card"] = env["cpu"]
     from .. import env as switches

@@ -56,6 +56,8 @@ def repro_command(seed: int, index: int, params: dict) -> str:
         cmd += f" --backend {params['backend']}"
     if params.get("entries") and tuple(params["entries"]) != ENTRIES:
         cmd += f" --entries {','.join(params['entries'])}"
+    if params.get("compiled"):
+        cmd += " --compiled"
     return ("TRITON_INTERPRET=1 " if params.get("interpret") else "") + cmd
 
 
@@ -66,6 +68,8 @@ def _run_indices(indices, params: dict, deadline: Optional[float], emit) -> dict
     context unusable)."""
     device = params["device"]
     rec = Recorder()
+    from .execute import use_compiled
+    use_compiled(params.get("compiled", False))
     with rec.hooks(device):
         for i in indices:
             if deadline is not None and time.time() > deadline:
@@ -379,7 +383,8 @@ def format_summary(s: dict) -> str:
 
 def run_fuzz(n: int = 100, seed: int = 0, device=None, dtypes=None, backend: Optional[str] = None,
              log: Optional[str] = None, workers: Optional[int] = None, case=None, size: Optional[str] = None,
-             max_seconds: Optional[float] = None, entries=None, verbose: bool = True, out=print):
+             max_seconds: Optional[float] = None, entries=None, verbose: bool = True, out=print,
+             compiled: bool = False):
     """Run the fuzzer -> (results sorted by index, summary dict).  Arguments as `main`."""
     device = str(device or _default_device())
     dev = torch.device(device)
@@ -395,11 +400,13 @@ def run_fuzz(n: int = 100, seed: int = 0, device=None, dtypes=None, backend: Opt
     workers = max(1, min(int(workers), len(indices) or 1))
     entries = tuple(e for e in ENTRIES if e in (entries or ENTRIES))
     params = dict(seed=int(seed), size=size, dtypes=_dtype_names(dtypes, dev), backend=backend, device=device,
-                  indices=indices, workers=workers, entries=entries, interpret=_interpreting())
+                  indices=indices, workers=workers, entries=entries, interpret=_interpreting(),
+                  compiled=bool(compiled))
     run = _Run(params, log, verbose, out)
     run.write({"type": "header", "seed": params["seed"], "n": len(indices), "device": device, "backend": backend,
                "size": size, "dtypes": list(params["dtypes"]), "workers": workers, "entries": list(entries),
                "torch": torch.__version__, "interpret": params["interpret"], "max_seconds": max_seconds,
+               "compiled": params["compiled"],
                "triton": _triton_version()})
     deadline = time.time() + max_seconds if max_seconds else None
     if workers == 1:
@@ -424,16 +431,17 @@ def _triton_version():
 
 def main(n: int = 100, seed: int = 0, device=None, dtypes=None, backend: Optional[str] = None,
          log: Optional[str] = None, workers: Optional[int] = None, case=None, size: Optional[str] = None,
-         max_seconds: Optional[float] = None, entries=None) -> int:
+         max_seconds: Optional[float] = None, entries=None, compiled: bool = False) -> int:
     """Run cases 0..n-1 of `seed` (or only `case`: an index or a list) against the float64 reference, print
     every failure's reproduction command and the summary table, write JSON lines to `log` (a header, one
     line per case, the summary last).  device: "cuda" / "cpu" (default: cuda if available); dtypes: torch
     dtypes or names (default: bf16, fp16, fp32 on CUDA; fp16, fp32 under TRITON_INTERPRET=1); backend: a
     name or None (auto); workers: spawned processes (default 1 on CPU, min(8, cpu_count) on CUDA);
     size: "small" (CI shapes; default on CPU) or "full" (default on CUDA); max_seconds: no case starts after
-    that.  -> exit code: 1 if any case failed, else 0."""
+    that; compiled: every call through torch.compile(fullgraph=True) (the custom ops).  -> exit code: 1 if
+    any case failed, else 0."""
     _, summary = run_fuzz(n=n, seed=seed, device=device, dtypes=dtypes, backend=backend, log=log, workers=workers,
-                          case=case, size=size, max_seconds=max_seconds, entries=entries)
+                          case=case, size=size, max_seconds=max_seconds, entries=entries, compiled=compiled)
     print()
     print(format_summary(summary))
     return 1 if any(summary["status"].get(s, 0) for s in FAILING) else 0
@@ -456,12 +464,13 @@ def cli(argv=None) -> int:
                    help="small: CI shapes (default on CPU); full: up to 8192 keys (default on CUDA)")
     p.add_argument("--max-seconds", type=float, default=None, help="start no case after this many seconds")
     p.add_argument("--entries", default=None, help="comma-separated subset of " + ",".join(ENTRIES))
+    p.add_argument("--compiled", action="store_true", help="call the entry points through torch.compile")
     a = p.parse_args(argv)
     cases = [int(x) for x in a.case.split(",")] if a.case else None
     dtypes = [x.strip() for x in a.dtype.split(",")] if a.dtype else None
     entries = [x.strip() for x in a.entries.split(",")] if a.entries else None
     return main(n=a.n, seed=a.seed, device=a.device, dtypes=dtypes, backend=a.backend, log=a.log, workers=a.workers,
-                case=cases, size=a.size, max_seconds=a.max_seconds, entries=entries)
+                case=cases, size=a.size, max_seconds=a.max_seconds, entries=entries, compiled=a.compiled)
 
 
 if __name__ == "__main__":

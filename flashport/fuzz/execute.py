@@ -30,6 +30,40 @@ from .cases import FuzzCase
 
 DTYPES = {"float16": torch.float16, "bfloat16": torch.bfloat16, "float32": torch.float32}
 NAN = float("nan")
+COMPILED = ("attention", "attention_varlen", "attention_with_kvcache")
+
+
+class _Compiled:
+    """flashport's entry points under torch.compile(fullgraph=True): the custom ops of flashport/ops.py, their
+    fake implementations and registered autograd, traced by dynamo and AOTAutograd.  Backend "aot_eager": what
+    is checked is the traced path into the ops, not Inductor's code around them.  Each distinct set of
+    keyword constants is a new specialisation, so the recompile limits are lifted; buffer donation is off
+    because deterministic=True cases run the backward twice (retain_graph), which donation forbids."""
+
+    def __init__(self):
+        self._fns: dict = {}
+
+    def __getattr__(self, name):
+        if name not in COMPILED:
+            return getattr(flashport, name)
+        if name not in self._fns:
+            import torch._dynamo.config as dcfg
+            for key in ("cache_size_limit", "recompile_limit", "accumulated_cache_size_limit",
+                        "accumulated_recompile_limit"):
+                if hasattr(dcfg, key):
+                    setattr(dcfg, key, max(getattr(dcfg, key), 1 << 16))
+            torch._functorch.config.donated_buffer = False
+            self._fns[name] = torch.compile(getattr(flashport, name), fullgraph=True, backend="aot_eager")
+        return self._fns[name]
+
+
+api = flashport   # what the executors call: flashport itself, or _Compiled() (use_compiled)
+
+
+def use_compiled(on: bool) -> None:
+    """Route this process's cases through torch.compile (True) or call flashport eagerly (False)."""
+    global api
+    api = _Compiled() if on else flashport
 
 
 class Outcome:
@@ -219,7 +253,7 @@ def _dense(case: FuzzCase, device, backend, rec, o: Outcome):
     with rec.capture() as hits:
         if case.dropout_p:
             torch.manual_seed(rng_seed)
-        r = flashport.attention(*leaves, **_api_kw(case, slopes, backend), dropout_p=case.dropout_p,
+        r = api.attention(*leaves, **_api_kw(case, slopes, backend), dropout_p=case.dropout_p,
                                 deterministic=case.deterministic)
         out, lse = r if case.return_lse else (r, None)
         if case.grads:
@@ -272,7 +306,7 @@ def _varlen(case: FuzzCase, device, backend, rec, o: Outcome):
     with rec.capture() as hits:
         if case.dropout_p:
             torch.manual_seed(rng_seed)
-        r = flashport.attention_varlen(*leaves, cq, ck, mq, mk, **_api_kw(case, slopes, backend),
+        r = api.attention_varlen(*leaves, cq, ck, mq, mk, **_api_kw(case, slopes, backend),
                                        dropout_p=case.dropout_p, deterministic=case.deterministic)
         out, lse = r if case.return_lse else (r, None)
         if case.grads:
@@ -352,7 +386,7 @@ def _kvcache(case: FuzzCase, device, backend, rec, o: Outcome):
     kc, vc = lay_out(kc, cache_layout), lay_out(vc, cache_layout)
     seqlens = None if case.whole_cache else torch.tensor(lens, dtype=torch.int32, device=device)
     with rec.capture() as hits, torch.no_grad():
-        r = flashport.attention_with_kvcache(qx, kc, vc, kn, vn, cache_seqlens=seqlens, block_table=block_table,
+        r = api.attention_with_kvcache(qx, kc, vc, kn, vn, cache_seqlens=seqlens, block_table=block_table,
                                              **_api_kw(case, slopes, backend))
         out, lse = r if case.return_lse else (r, None)
     # The append: bit for bit where keys are valid now, NaN (untouched) past them.
