@@ -6,6 +6,10 @@ from .monitor import reset_stats, stats
 from .rollout import guard, quarantined, release_quarantine
 from . import backend as _backend  # noqa: F401  (registers the built-in backends, in auto order)
 from . import compat  # noqa: F401  (FlashAttention-2's API: flashport.compat.flash_attn_func, ...)
+from .integrations import sdpa as _sdpa
+
+# torch.nn.attention.activate_flash_attention_impl("flashport") then routes SDPA's flash path to flashport.
+_sdpa.register()   # stores a function, never raises (`flashport info` shows why where it could not)
 
 __version__ = "0.1.0"
 

@@ -50,6 +50,9 @@ class Capabilities:
     # "own": the backward needs the backend's own forward state (chosen as a pair).
     saved_state: str = "lse"
     materialises_scores: bool = False
+    # Device types where the kernel may be PyTorch SDPA's flash op, which flashport's SDPA hook replaces
+    # (flashport/integrations/sdpa.py): inside the hook such a backend would call the hook again.
+    sdpa_flash_devices: tuple = ()
     exact: bool = True
     notes: tuple = field(default=())            # what the declaration cannot say, in words
 

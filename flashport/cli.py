@@ -37,6 +37,8 @@ def info_dict() -> dict:
     d["config_file"] = {"path": env.config_path(), "exists": os.path.exists(env.config_path()),
                         "notes": list(env.config_notes())}
     d["selection_table"] = table.describe("cuda" if torch.cuda.is_available() else "cpu")
+    from .integrations import sdpa
+    d["sdpa_hook"] = sdpa.status()
     d["backends"] = [{"name": b.name, "available": b.available, "reasons": b.reasons,
                       "capabilities": b.capabilities} for b in flashport.backends()]
     return d
@@ -68,6 +70,10 @@ def cmd_info(args) -> int:
     print(f"selection table: {t['status']}" + (f" ({t['path']}, {t['buckets']} buckets)" if t.get("path") else ""))
     for w in t.get("warnings", []):
         print(f"  note: {w}")
+    h = d["sdpa_hook"]
+    print("sdpa hook: " + {"active": 'active (F.scaled_dot_product_attention\'s flash path runs flashport)',
+                           "registered": 'registered (torch.nn.attention.activate_flash_attention_impl("flashport"))',
+                           "missing": f"missing: {h['reason']}"}[h["hook"]])
     print("backends (auto order):")
     for b in d["backends"]:
         state = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])

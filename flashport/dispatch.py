@@ -232,8 +232,17 @@ def _parse(name) -> tuple[Backend, Backend]:
     return b, b
 
 
-def _reasons(b: Backend, spec: AttnSpec, role: str, quarantine: bool = True) -> list[str]:
-    return b.availability() or _disabled_reasons(b.name, quarantine) or b.supports(spec, role)
+def _state_reasons(b: Backend, spec: AttnSpec, state: str) -> list[str]:
+    """What the caller's state rules out: inside the SDPA hook, a backend whose kernel here is the very op the
+    hook replaces (it would enter the hook again, without end)."""
+    if state == "sdpa_hook" and spec.device.type in b.caps.sdpa_flash_devices:
+        return [f"runs PyTorch SDPA's flash op on {spec.device.type}, which flashport's SDPA hook replaces"]
+    return []
+
+
+def _reasons(b: Backend, spec: AttnSpec, role: str, quarantine: bool = True, state: str = "any") -> list[str]:
+    return (b.availability() or _disabled_reasons(b.name, quarantine) or _state_reasons(b, spec, state)
+            or b.supports(spec, role))
 
 
 # Switches that change an answer; read at every call (a few dict lookups) and part of the memo key.
@@ -248,14 +257,15 @@ def select(spec: AttnSpec, backend: str | None = None) -> Plan:
 def select_counted(spec: AttnSpec, backend: str | None = None, state: str = "any") -> tuple[Plan, bool]:
     """(plan, fallback): fallback is True where auto took this plan only because its first choice is
     quarantined or because no fast GPU backend serves the call (stats() counts those calls).
-    state: how auto treats backends that keep their own forward state (PyTorch SDPA's kernels), whose backward
-    cannot run from (out, lse) alone: "any" (eager calls) or "prefer_lse" (the custom ops of flashport/ops.py,
-    where an own-state backward recomputes its forward)."""
+    state: what the caller can take.  "any" (eager calls); "prefer_lse" (the custom ops of flashport/ops.py):
+    auto prefers plans whose backward runs from (out, lse), as an own-state backward must recompute its forward
+    there; "sdpa_hook" (flashport/integrations/sdpa.py, serving PyTorch SDPA's flash op): as "prefer_lse", and
+    no backend, named or auto, whose kernel on this device is that op (Capabilities.sdpa_flash_devices)."""
     name = _requested(backend)
     key = (spec, name, state, env.raws(_KEY_SWITCHES))
     hit = _memo.get(key)
     if hit is None:
-        hit = (_named(spec, name), False) if name is not None else _auto(spec, state)
+        hit = (_named(spec, name, state), False) if name is not None else _auto(spec, state)
         if len(_memo) >= MEMO_SIZE:   # bounded: a server that sees every sequence length must not grow
             for k in list(_memo)[:MEMO_SIZE // 2]:
                 del _memo[k]
@@ -269,13 +279,14 @@ def select_counted(spec: AttnSpec, backend: str | None = None, state: str = "any
     return plan, fallback
 
 
-def _named(spec: AttnSpec, name: str) -> Plan:
+def _named(spec: AttnSpec, name: str, state: str = "any") -> Plan:
     f, b = _parse(name)
     if f is b:
-        reasons = b.availability() or _disabled_reasons(b.name) or b.supports(spec)
+        reasons = (b.availability() or _disabled_reasons(b.name) or _state_reasons(b, spec, state)
+                   or b.supports(spec))
     else:
-        reasons = _reasons(f, spec, "fwd") + ([f"backward: {r}" for r in _reasons(b, spec, "bwd")]
-                                               if spec.needs_grad else [])
+        reasons = _reasons(f, spec, "fwd", state=state) + (
+            [f"backward: {r}" for r in _reasons(b, spec, "bwd", state=state)] if spec.needs_grad else [])
     if reasons:
         raise UnsupportedError(f"backend {name!r} cannot serve this call:\n  - {name}: " + "; ".join(reasons))
     log.debug("flashport: %s chosen explicitly for %s", name, spec)
@@ -296,15 +307,15 @@ def _candidates(spec: AttnSpec, tried: list) -> list[Backend]:
     return out
 
 
-def options(spec: AttnSpec, tried: list | None = None, quarantine: bool = True) -> list[Plan]:
+def options(spec: AttnSpec, tried: list | None = None, quarantine: bool = True, state: str = "any") -> list[Plan]:
     """Every plan auto-selection may take for `spec`, in static-priority order (preferred first);
-    quarantine=False: as if no backend were quarantined."""
+    quarantine=False: as if no backend were quarantined; state: select_counted's."""
     tried = [] if tried is None else tried
     cands = _candidates(spec, tried)   # a quarantined one is refused by _reasons, with why
     fwd_ok, bwd_ok = [], []
     for b in cands:
-        rf = _reasons(b, spec, "fwd", quarantine)
-        rb = _reasons(b, spec, "bwd", quarantine) if spec.needs_grad else []
+        rf = _reasons(b, spec, "fwd", quarantine, state)
+        rb = _reasons(b, spec, "bwd", quarantine, state) if spec.needs_grad else []
         if rf:
             tried.append(f"  - {b.name}: " + "; ".join(rf))
         elif rb and b.caps.saved_state == "own":
@@ -340,7 +351,7 @@ def _lse_plans(spec: AttnSpec, plans: list[Plan], state: str) -> list[Plan]:
 
 def _auto(spec: AttnSpec, state: str = "any") -> tuple[Plan, bool]:
     tried: list = []
-    plans = _lse_plans(spec, options(spec, tried), state)
+    plans = _lse_plans(spec, options(spec, tried, state=state), state)
     if not plans:
         raise UnsupportedError("no backend can serve this call:\n" + "\n".join(tried))
     from . import table
@@ -349,7 +360,7 @@ def _auto(spec: AttnSpec, state: str = "any") -> tuple[Plan, bool]:
     plan = plan or plans[0]
     fallback = False
     if rollout._quarantined:
-        every = _lse_plans(spec, options(spec, [], quarantine=False), state)
+        every = _lse_plans(spec, options(spec, [], quarantine=False, state=state), state)
         first = table.best(spec, every) or every[0]
         fallback = first.name != plan.name
     if log.isEnabledFor(logging.DEBUG):

@@ -117,9 +117,11 @@ def test_ratios_to_the_best_peer_and_the_workloads_plot(tmp_path):
     def e(shape, impl, ms, **kw):
         return dict(label=shape.label(), shape=shape.as_dict(), impl=impl, mode="fwd", status="ok", ms=ms, **kw)
     entries = [e(s, "flashport", 2.0, tflops=1.0), e(s, "sdpa-cudnn", 1.0, tflops=2.0), e(s, "flex", 3.0, tflops=0.5),
-               e(dec, "flashport-triton", 1.0, gbps=1.0, frac_of_copy=0.7)]
+               e(dec, "flashport-triton", 1.0, gbps=1.0, frac_of_copy=0.7), e(s, "fa4", 0.5, tflops=4.0)]
     gpu.add_ratios(entries, {})
-    assert entries[0]["vs_best_peer"] == 0.5 and "vs_best_peer" not in entries[3]
+    assert entries[0]["vs_best_peer"] == 0.25 and entries[0]["best_peer"] == "fa4"
+    assert entries[0]["vs_best_bar_peer"] == 0.5      # issue [8]'s bar: cuDNN, FA2, FlexAttention
+    assert "vs_best_peer" not in entries[3]
     doc = {"suite": "workloads", "results": entries, "ceilings": {}, "environment": {"card": "test card"}}
     report.plot_gpu(doc, str(tmp_path / "w.png"))
     assert (tmp_path / "w.png").stat().st_size > 1000

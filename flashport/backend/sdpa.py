@@ -136,6 +136,7 @@ class SdpaBackend(dispatch.Backend):
     caps = Capabilities(devices=("cuda", "cpu"), dtypes=("float16", "bfloat16", "float32", "float64"),
                         max_head_dim=None, kinds=("dense",), paged_kvcache=False, mask_kinds=("none", "causal"),
                         softcap=False, alibi=False, dropout=False, lse=False, gqa=_HAS_GQA, saved_state="own",
+                        sdpa_flash_devices=("cuda", "cpu"),
                         notes=("causal with Sq > Sk refused (SDPA returns NaN rows)",
                                "CUDA: float64 and deterministic backward refused (no fused kernel)",
                                "head dims, strides and lengths: PyTorch's own can_use_* checks decide"))
@@ -226,6 +227,9 @@ class SdpaKernelBackend(SdpaBackend):
 
     def __init__(self, kernel: str, what: str):
         self.kernels = (kernel,)
+        # The lower-right causal bias path calls SDPA's flash op itself whenever flash can serve, whatever
+        # sdpa_kernel allows, so only cuDNN never reaches it.
+        self.caps = dataclasses.replace(self.caps, sdpa_flash_devices=() if kernel == "cudnn" else ("cuda",))
         self.name = f"sdpa-{kernel}"
         self.__doc__ = f"`{self.name}`: PyTorch SDPA's {what} kernel alone, on CUDA. " + SdpaKernelBackend.__doc__
 

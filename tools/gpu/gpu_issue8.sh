@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,driver_version --format=csv,noheader | tee "$OUT/car
 timeout ${BENCH_SECONDS:-400} python -m flashport bench --suite workloads \
   --peers ${PEERS:-flashport,flashport-triton,fa4,sdpa-cudnn,sdpa-fa2,flex} --out "$OUT" 2>&1 \
   | grep -v "sdp_utils\|warnings.warn" > "$OUT/bench_workloads.log"
-echo "bench rc=${PIPESTATUS[0]}"; tail -40 "$OUT/bench_workloads.log"
+echo "bench rc=${PIPESTATUS[0]}"; python tools/gpu/ratio_summary.py "$OUT/bench_workloads.json"
 if [ "${AVB_SECONDS:-0}" -gt 0 ]; then
   timeout $AVB_SECONDS python -m flashport bench --suite workloads --auto-vs-best --rounds ${ROUNDS:-2} --out "$OUT" 2>&1 \
     | grep -v sdp_utils > "$OUT/autobest_workloads.log"; grep "min ratio" "$OUT/autobest_workloads.log"
