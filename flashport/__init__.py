@@ -6,6 +6,7 @@ from .monitor import reset_stats, stats
 from .rollout import guard, quarantined, release_quarantine
 from . import backend as _backend  # noqa: F401  (registers the built-in backends, in auto order)
 from . import compat  # noqa: F401  (FlashAttention-2's API: flashport.compat.flash_attn_func, ...)
+from . import distributed  # noqa: F401  (ring attention over torch.distributed: flashport.distributed.ring_attention)
 from .integrations import sdpa as _sdpa
 
 # torch.nn.attention.activate_flash_attention_impl("flashport") then routes SDPA's flash path to flashport.

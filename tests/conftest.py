@@ -34,3 +34,15 @@ def _fresh_selection():
     env.reload_config()
     dispatch.clear_cache()
     table.reload()
+
+
+@pytest.fixture
+def without_sdpa_cpu(monkeypatch):
+    """Auto on CPU as before `sdpa-cpu` (PyTorch's own CPU kernel) existed: blockwise.  For tests of selection,
+    counters, the guard and the examples, whose subject is flashport's own path (served by SDPA's kernel, a
+    comparison against SDPA would be trivial)."""
+    from flashport import dispatch
+    monkeypatch.setattr(dispatch, "_REGISTRY", {n: b for n, b in dispatch._REGISTRY.items() if n != "sdpa-cpu"})
+    dispatch.clear_cache()
+    yield
+    dispatch.clear_cache()

@@ -72,12 +72,22 @@ def test_bench_cpu_quick_writes_json_and_png(tmp_path):
     assert doc["environment"]["torch"] == torch.__version__ and doc["environment"]["card"]
     assert doc["timestamp"] and doc["suite"] == "cpu"
     res = doc["results"]
-    assert {e["impl"] for e in res} == {"flashport", "naive"} and len(res) == 4
+    # rows: forward, forward+backward causal, a sliding window; peers: SDPA-CPU, blockwise, naive
+    assert {e["impl"] for e in res} == {"flashport", "sdpa-cpu", "blockwise", "naive"} and len(res) == 12
+    assert {e["mode"] for e in res} == {"fwd", "fwd+bwd"}
     for e in res:
+        if e["impl"] == "sdpa-cpu" and e["window"] != [-1, -1]:
+            assert e["status"] == "not-served" and "window" in e["error"]
+            continue
         assert e["status"] == "ok", e
-        assert e["time_s"] > 0 and e["runs"] >= 1 and "peak_extra_mb" in e
-        assert e["max_err_vs_fp64"] < 1e-5 and e["max_diff_flashport_vs_naive"] < 1e-5
-    assert {e["backend"] for e in res if e["impl"] == "flashport"} == {"blockwise"}
+        assert e["time_s"] > 0 and e["runs"] >= 1 and "peak_extra_mb" in e and e["threads"] >= 1
+        assert e["max_err_vs_fp64"] < 1e-5 and e["max_diff_vs_naive"] < 1e-5
+        assert "naive" in e["speedup_vs"] or e["impl"] == "naive"
+    assert {e["backend"] for e in res if e["impl"] == "flashport" and e["window"] == [-1, -1]} == {"sdpa-cpu"}
+    assert {e["backend"] for e in res if e["impl"] == "flashport" and e["window"] != [-1, -1]} == {"blockwise"}
+    summ = doc["cpu_summary"]
+    assert summ["threads"] and summ["min_auto_vs_sdpa"] is not None and summ["min_blockwise_vs_sdpa"] is not None
+    assert any(r.get("sdpa_reason") for r in summ["rows"])
     png = (tmp_path / "bench_cpu_quick.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n" and len(png) > 10_000
 

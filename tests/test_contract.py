@@ -253,6 +253,7 @@ def test_numpy_integers_are_ints():
     assert torch.equal(got, want)
 
 
+@pytest.mark.usefixtures("without_sdpa_cpu")   # the refusal is blockwise's; sdpa-cpu would serve the call
 def test_auto_refusal_lists_every_backend(monkeypatch):
     from flashport import dispatch
     monkeypatch.delenv("FLASHPORT_BACKEND", raising=False)

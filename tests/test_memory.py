@@ -43,6 +43,9 @@ def test_blockwise_fwd_bwd_memory_is_linear_at_64k():
     # Use every core, but let OpenMP threads sleep rather than spin when another process (an xdist
     # worker) holds a core: spinning barriers make a contended run many times slower.
     env["OMP_WAIT_POLICY"] = "PASSIVE"
+    # glibc opens a new malloc arena whenever a thread finds the current one locked, so under contention
+    # freed tiles sit in arenas other threads never reuse and the peak RSS grows without any tensor growing.
+    env.setdefault("MALLOC_ARENA_MAX", "2")
     proc = subprocess.run([sys.executable, "-c", SCRIPT], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]

@@ -15,6 +15,10 @@ import flashport
 from flashport import dispatch, env, monitor, rollout
 from flashport.backend.blockwise import BlockwiseBackend
 
+# CPU auto as blockwise: these tests are about flashport's own path (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("without_sdpa_cpu")
+
+
 
 def _qkv(b=2, s=37, hq=4, hkv=2, d=16, grad=True, seed=0):
     g = torch.Generator().manual_seed(seed)

@@ -7,6 +7,10 @@ import pathlib
 import sys
 
 import flashport
+import pytest
+
+# CPU auto as blockwise: these tests are about flashport's own path (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("without_sdpa_cpu")
 
 ROLLOUT = pathlib.Path(__file__).resolve().parents[1] / "examples" / "rollout.py"
 

@@ -168,7 +168,7 @@ def test_state_refuses_backends_declared_to_run_sdpa_flash():
         assert refused == ("cpu" in b.caps.sdpa_flash_devices)
     assert {b.name: b.caps.sdpa_flash_devices for b in dispatch._REGISTRY.values()
             if b.name.startswith("sdpa-")} == {"sdpa-cudnn": (), "sdpa-flash": ("cuda",),
-                                              "sdpa-efficient": ("cuda",)}
+                                              "sdpa-efficient": ("cuda",), "sdpa-cpu": ("cpu",)}
 
 
 @needs_hook

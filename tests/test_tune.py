@@ -7,6 +7,10 @@ import torch
 from flashport import tune
 from flashport.bench.shapes import Shape
 
+# CPU auto as blockwise: these tests are about flashport's own path (tests/conftest.py)
+pytestmark = pytest.mark.usefixtures("without_sdpa_cpu")
+
+
 
 def test_interleaved_rounds_retime_only_contenders():
     # each callable returns its name; the fake timer hands out that name's next "time"

@@ -1,7 +1,9 @@
 """`flashport bench`: the benchmark harness (one harness for every platform).
 
-- On a CPU (suite `cpu`): flashport's auto backend against naive materialised attention, fp32
-  forward, S from 1k to 32k, time and peak memory per configuration in a fresh subprocess.
+- On a CPU (suite `cpu`): flashport's auto backend against torch SDPA-CPU (its flash kernel), naive
+  materialised attention and flashport's blockwise, fp32, H=4, D=64: forward over S from 1k to 16k, and
+  forward causal, forward+backward causal and a sliding window at 4k; time and peak memory per
+  configuration in a fresh subprocess, the thread count recorded.
 - On a GPU (suites `standard`, `models`, `long`, `decode`): flashport's triton backend against
   SDPA cuDNN / FA2 / mem-efficient and compiled FlexAttention in the same process, with ceilings
   (matmul TFLOP/s, copy GB/s) measured in the same run.
@@ -29,9 +31,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default=None,
                    help="GPU: comma-separated implementations (default: flashport-triton,sdpa-cudnn,sdpa-fa2,"
                         "sdpa-efficient,flex)")
-    p.add_argument("--heads", type=int, default=1, help="CPU job: heads H (B=1, D=64)")
+    p.add_argument("--heads", type=int, default=4, help="CPU job: heads H (B=1, D=64)")
     p.add_argument("--max-s", type=int, default=None, help="CPU job: largest sequence length")
-    p.add_argument("--budget-s", type=float, default=170.0,
+    p.add_argument("--budget-s", type=float, default=300.0,
                    help="CPU job: wall-clock budget; sizes predicted to overrun it are reported as time-skipped")
     p.add_argument("--threads", type=int, default=0,
                    help="CPU job: torch threads per worker (default: torch's own, all cores); on a shared, busy "
@@ -70,10 +72,12 @@ def run(args: argparse.Namespace) -> int:
         from .cpu import run_cpu
         from .shapes import cpu_sizes
         sizes = cpu_sizes(args.quick, args.max_s)
-        bar, tick = _progress(2 * len(sizes), "cpu: flashport vs naive")
-        entries = run_cpu(sizes, args.heads, tick, budget_s=args.budget_s, threads=args.threads)
+        from .cpu import summary
+        from .shapes import CPU_IMPLS, cpu_rows
+        bar, tick = _progress(len(CPU_IMPLS) * len(cpu_rows(sizes, args.quick)), "cpu: flashport vs sdpa-cpu, naive")
+        entries = run_cpu(sizes, args.heads, tick, budget_s=args.budget_s, threads=args.threads, quick=args.quick)
         ceil = {}
-        table = report.cpu_table(entries)
+        table = report.cpu_table(entries, summary(entries))
     else:
         if device.type != "cuda":
             print(f"flashport bench: suite {suite!r} needs a CUDA device (found {device}); use --suite cpu")
@@ -116,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     doc = report.document(suite, device, entries, ceil, time.perf_counter() - t0)
     doc["environment"]["loadavg_at_start"] = load0   # other work on the machine skews timings
+    if suite == "cpu":
+        doc["cpu_summary"] = summary(entries)
     json_path, png_path = (os.path.join(args.out, stem + ext) for ext in (".json", ".png"))
     report.write_json(doc, json_path)
     (report.plot_cpu if suite == "cpu" else report.plot_gpu)(doc, png_path)

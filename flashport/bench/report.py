@@ -49,7 +49,8 @@ def environment(device) -> dict:
     from .. import table
     env["switches"] = switches.snapshot()   # every declared switch, defaults included
     env["switch_sources"] = switches.sources()
-    env["env"] = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES",) if k in os.environ}
+    env["env"] = {k: os.environ[k] for k in ("CUDA_VISIBLE_DEVICES", "OMP_WAIT_POLICY", "OMP_NUM_THREADS")
+                  if k in os.environ}
     env["selection_table"] = table.describe(device)
     return env
 
@@ -95,12 +96,20 @@ def _table(head, rows) -> str:
     return "\n".join([line(head), line("-" * w for w in widths)] + [line(r) for r in rows])
 
 
-def cpu_table(entries: list[dict]) -> str:
-    head = ("S", "impl", "backend", "status", "time s", "GFLOP/s", "peak extra MiB", "err vs fp64", "fp vs naive")
-    rows = [(e["s"], e["impl"], e.get("backend", "-"), e["status"], _fmt(e.get("time_s")), _fmt(e.get("gflops")),
+def cpu_table(entries: list[dict], summary: dict | None = None) -> str:
+    head = ("row", "impl", "backend", "status", "time s", "GFLOP/s", "vs sdpa-cpu", "peak extra MiB", "err vs fp64",
+            "vs naive", "threads", "note")
+    rows = [(e.get("label", e["s"]), e["impl"], e.get("backend", "-"), e["status"], _fmt(e.get("time_s")),
+             _fmt(e.get("gflops")), _fmt((e.get("paired") or {}).get("vs_sdpa_cpu",
+                                                                 (e.get("speedup_vs") or {}).get("sdpa-cpu")), ".2f"),
              _fmt(e.get("peak_extra_mb"), ".1f"), _fmt(e.get("max_err_vs_fp64"), ".1e"),
-             _fmt(e.get("max_diff_flashport_vs_naive"), ".1e")) for e in entries]
-    return _table(head, rows)
+             _fmt(e.get("max_diff_vs_naive", e.get("max_diff_flashport_vs_naive")), ".1e"), e.get("threads", "-"),
+             (e.get("error") or "")[:60]) for e in entries]
+    text = _table(head, rows)
+    if summary:
+        text += (f"\nbackend=None vs SDPA-CPU, min over the rows SDPA serves: {_fmt(summary['min_auto_vs_sdpa'], '.2f')}x; "
+                 f"blockwise: {_fmt(summary['min_blockwise_vs_sdpa'], '.2f')}x (threads {summary['threads']})")
+    return text
 
 
 def _pct(x) -> str:
@@ -140,35 +149,65 @@ def _plt():
     return plt
 
 
+_CPU_STYLE = {"flashport": "o-", "sdpa-cpu": "^-", "blockwise": "d:", "naive": "s--"}
+
+
 def plot_cpu(doc: dict, path: str) -> None:
+    """Left: forward time over S (non-causal rows); middle: every row's speed relative to SDPA-CPU (> 1: faster;
+    a row SDPA cannot serve is marked); right: peak extra memory over S."""
     plt = _plt()
     entries = doc["results"]
-    fig, (ax_t, ax_m) = plt.subplots(1, 2, figsize=(12, 4.8))
-    for impl, style in (("flashport", "o-"), ("naive", "s--")):
-        ok = [e for e in entries if e["impl"] == impl and e["status"] == "ok"]
-        label = impl if impl == "naive" else f"flashport ({ok[0].get('backend', 'auto') if ok else 'auto'})"
+    fig, (ax_t, ax_r, ax_m) = plt.subplots(1, 3, figsize=(17, 5.2))
+    dense = [e for e in entries if e.get("mode", "fwd") == "fwd" and not e.get("causal")
+             and tuple(e.get("window", (-1, -1))) == (-1, -1)]
+    for impl in dict.fromkeys(e["impl"] for e in entries):
+        ok = [e for e in dense if e["impl"] == impl and e["status"] == "ok"]
+        if impl == "flashport":
+            label = f"flashport backend=None ({ok[0].get('backend', 'auto') if ok else 'auto'})"
+        else:
+            label = {"sdpa-cpu": "torch SDPA (CPU flash)", "blockwise": "flashport blockwise",
+                     "naive": "naive materialised"}.get(impl, impl)
+        style = _CPU_STYLE.get(impl, ".-")
         ax_t.plot([e["s"] for e in ok], [e["time_s"] for e in ok], style, label=label)
         ax_m.plot([e["s"] for e in ok], [max(e["peak_extra_mb"], 1e-3) for e in ok], style, label=label)
-        for e in entries:
-            if e["impl"] == impl and e["status"] != "ok":
-                for ax in (ax_t, ax_m):
-                    ax.axvline(e["s"], color="grey", ls=":", lw=1)
-                    ax.annotate(f"naive {e['status']}" if impl == "naive" else f"flashport {e['status']}",
-                                (e["s"], 0.5), xycoords=("data", "axes fraction"), rotation=90, fontsize=8,
-                                ha="right", va="center", color="grey")
-    for ax, title, unit in ((ax_t, "forward time", "seconds (median)"),
-                            (ax_m, "peak extra memory (fresh process, ru_maxrss)", "MiB")):
+        for e in dense:
+            if e["impl"] == impl and e["status"] not in ("ok", "not-served"):
+                ax_t.annotate(f"{impl} {e['status']}", (e["s"], 0.5), xycoords=("data", "axes fraction"),
+                              rotation=90, fontsize=7, ha="right", va="center", color="grey")
+    for ax, title, unit in ((ax_t, "forward time, non-causal", "seconds (best of 3)"),
+                            (ax_m, "peak extra memory, forward (fresh process, ru_maxrss)", "MiB")):
         ax.set_xscale("log", base=2)
         ax.set_yscale("log")
         ax.set_xlabel("sequence length S")
         ax.set_ylabel(unit)
-        ax.set_title(title)
+        ax.set_title(title, fontsize=9)
         ax.grid(True, which="both", alpha=0.3)
-        ax.legend()
+        ax.legend(fontsize=7)
+    labels = list(dict.fromkeys(e.get("label", str(e["s"])) for e in entries))
+    by = {(e.get("label", str(e["s"])), e["impl"]): e for e in entries}
+    series = [i for i in ("flashport", "blockwise", "naive") if any(x["impl"] == i for x in entries)]
+    width = 0.8 / max(1, len(series))
+    for n, impl in enumerate(series):
+        vals = [(by.get((lab, impl), {}).get("paired") or {}).get("vs_sdpa_cpu")
+                or (by.get((lab, impl), {}).get("speedup_vs") or {}).get("sdpa-cpu") or 0 for lab in labels]
+        ax_r.bar([i + n * width for i in range(len(labels))], vals, width,
+                 label="backend=None" if impl == "flashport" else impl)
+    for i, lab in enumerate(labels):
+        sd = by.get((lab, "sdpa-cpu"), {})
+        if sd.get("status") != "ok":
+            ax_r.annotate(f"SDPA: {sd.get('status', 'n/a')}", (i + 0.4 - width / 2, 0.05),
+                          xycoords=("data", "axes fraction"), rotation=90, fontsize=7, ha="center", color="grey")
+    ax_r.axhline(1.0, color="grey", ls=":", lw=1)
+    ax_r.set_xticks([i + 0.4 - width / 2 for i in range(len(labels))])
+    ax_r.set_xticklabels(labels, rotation=30, ha="right", fontsize=7)
+    ax_r.set_ylabel("SDPA-CPU time / time  (> 1: faster)")
+    ax_r.set_title("speed relative to torch SDPA-CPU (runs alternated with it in one process)", fontsize=9)
+    ax_r.grid(True, axis="y", alpha=0.3)
+    ax_r.legend(fontsize=7)
     c = next((e for e in entries), {}).get("config", {})
-    threads = next((e["threads"] for e in entries if "threads" in e), "?")
-    fig.suptitle(f"flashport vs naive attention, fp32 fwd, B={c.get('b')} H={c.get('h')} D={c.get('d')} -- "
-                 f"{doc['environment']['card']} ({threads} threads)", fontsize=10)
+    threads = sorted({e["threads"] for e in entries if "threads" in e}) or ["?"]
+    fig.suptitle(f"flashport on a CPU, fp32, B={c.get('b')} H={c.get('h')} D={c.get('d')} -- "
+                 f"{doc['environment']['card']} ({'/'.join(map(str, threads))} threads)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -174,23 +174,62 @@ def gpu_suite(name: str, quick: bool = False) -> list[Shape]:
 # ----------------------------------------------------------------------------- CPU main job
 @dataclass(frozen=True)
 class CpuConfig:
-    """Forward fp32, B=1, non-causal: flashport (auto backend) vs naive materialised attention."""
+    """One cell of the CPU job: fp32, B=1; `impl` is "flashport" (backend=None), "blockwise" (flashport's tiled
+    PyTorch path, named), "sdpa-cpu" (torch's F.scaled_dot_product_attention, its CPU flash kernel) or "naive"
+    (materialised softmax(q kᵀ) v); mode "fwd" or "fwd+bwd"; causal / window as in flashport.attention."""
     s: int
-    impl: str           # "flashport" | "naive"
+    impl: str
     b: int = 1
     h: int = 1
     d: int = 64
     fp64_check_max_s: int = 4096   # error against float64 exact math for S up to this
     threads: int = 0               # torch intra-op threads in the worker; 0 = torch's default (all cores)
+    mode: str = "fwd"
+    causal: bool = False
+    window: tuple = (-1, -1)
+
+    def label(self) -> str:
+        mask = "causal" if self.causal else (f"window{self.window[0]}_{self.window[1]}"
+                                             if tuple(self.window) != (-1, -1) else "dense")
+        return f"{self.mode} s{self.s} h{self.h} d{self.d} {mask}"
 
     def naive_peak_bytes(self) -> int:
-        """Scores and their softmax are both alive at once: 2 x B*H*S*S float32."""
-        return 2 * self.b * self.h * self.s * self.s * 4
+        """Scores and their softmax are both alive at once: 2 x B*H*S*S float32 (and their gradients backward)."""
+        return (4 if self.mode == "fwd+bwd" else 2) * self.b * self.h * self.s * self.s * 4
 
     def io_bytes(self) -> int:
         return 4 * self.b * self.s * self.h * self.d * 4   # q, k, v, out
 
+    def flops(self) -> float:
+        """FlashAttention's convention: 4·B·H·S²·D forward, halved for causal; backward 2.5x forward; a window
+        counts its visible pairs."""
+        f = 4.0 * self.b * self.h * self.s * self.s * self.d
+        if self.causal:
+            f /= 2
+        elif tuple(self.window) != (-1, -1):
+            left, right = self.window
+            f *= min(1.0, ((left if left >= 0 else self.s) + (right if right >= 0 else self.s) + 1) / self.s)
+        return f * (3.5 if self.mode == "fwd+bwd" else 1.0)
+
+
+CPU_IMPLS = ("flashport", "sdpa-cpu", "blockwise", "naive")
+CPU_WINDOW = (256, 0)   # the feature row: a causal sliding window, which SDPA cannot serve
+
 
 def cpu_sizes(quick: bool = False, max_s: Optional[int] = None) -> list[int]:
-    sizes = [256, 512] if quick else [1024, 2048, 4096, 8192, 16384, 32768]
+    sizes = [256, 512] if quick else [1024, 4096, 16384]
     return [s for s in sizes if max_s is None or s <= max_s]
+
+
+def cpu_rows(sizes: list[int], quick: bool = False) -> list[dict]:
+    """The job's rows: forward non-causal at each size, and at one middle size (4096; 256 quick) forward causal,
+    forward+backward causal and forward with a sliding window."""
+    mid = 256 if quick else (4096 if 4096 in sizes or not sizes else sizes[len(sizes) // 2])
+    # quick: a narrower window, so that at S=256 it still bounds the keys (a window reaching every key is causal)
+    window = (32, 0) if quick else CPU_WINDOW
+    extra = [dict(s=mid, causal=True), dict(s=mid, causal=True, mode="fwd+bwd"), dict(s=mid, window=window)]
+    if quick:
+        return [dict(s=sizes[0])] + extra[1:]
+    # the feature rows right after the middle size, so a time budget cut lands on the largest sizes
+    small = [dict(s=s) for s in sizes if s <= mid]
+    return small + extra + [dict(s=s) for s in sizes if s > mid]

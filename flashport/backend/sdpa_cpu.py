@@ -1,0 +1,171 @@
+"""Backend `sdpa-cpu`: PyTorch's CPU flash-attention kernel (ATen's tiled online softmax in C++, exact, linear
+memory), called through its aten ops so that flashport keeps the contract's (out, lse):
+
+    out, lse = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q_, k_, v_, 0.0, is_causal, scale=s)
+    dq_, dk_, dv_ = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        do_, q_, k_, v_, out, lse, 0.0, is_causal, scale=s)
+    # q_ = q.transpose(1, 2) etc.: [B, H, S, D] views of flashport's [B, S, H, D] tensors, no copy
+
+The kernel takes GQA directly (fewer KV heads, never expanded), strided views, and returns lse (natural log,
+float32; float64 for float64 inputs); its backward recomputes P from any (out, lse), so it mixes with the other
+"lse" backends (blockwise forward, sdpa-cpu backward, and the reverse).
+
+Causal alignment: the kernel's `is_causal` is top-left, flashport's is bottom-right.
+- Sq == Sk: the two agree.
+- Sq < Sk: every row sees the first Sk - Sq keys whole, and the last Sq keys top-left causally; the two parts are
+  run separately and merged exactly by their lse (flashport.merge).  The backward runs the kernel's backward on
+  each part with the *merged* (out, lse) -- P = exp(s - lse) and D = rowsum(dO * O) are then the full problem's,
+  so the parts' gradients add up exactly (dQ summed, dK / dV concatenated).
+- Sq > Sk: the first Sq - Sk rows see no key (zeros, lse = -inf, zero gradients) and the rest is a square causal
+  problem; no additive mask (that would be Sq x Sk memory) is ever built.
+
+Refused (each with its reason): softmax_scale <= 0, a backward with softmax_scale > 1.5 / sqrt(D) (both
+measured to break the tolerance rule), windows, softcap, ALiBi, dropout (its RNG is not flashport's exposed keep-mask),
+Dv != D (the kernel's own check), varlen and KV cache.  A differentiated lse is served by a padded column
+(see _bwd).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import dispatch
+from ..capabilities import Capabilities
+from ..spec import AttnInputs, AttnSpec
+
+_NEG_INF = float("-inf")
+# The backward is served for softmax_scale * sqrt(D) up to this (see own_reasons).
+BWD_MAX_SCALE_RATIO = 1.5
+
+
+def _ops():
+    aten = torch.ops.aten
+    return (getattr(aten, "_scaled_dot_product_flash_attention_for_cpu", None),
+            getattr(aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None))
+
+
+def _bhsd(x: torch.Tensor) -> torch.Tensor:
+    return x.transpose(1, 2)   # [B, S, H, D] -> [B, H, S, D], a view
+
+
+def _fwd(q, k, v, causal: bool, scale: float):
+    """One kernel call on [B, S, H, D] tensors -> (out [B, Sq, Hq, D], lse [B, Hq, Sq])."""
+    fwd, _ = _ops()
+    out, lse = fwd(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale)
+    return _bhsd(out), lse
+
+
+def _bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float):
+    """The kernel's backward; dlse [B, Hq, Sq] or None (a returned lse that is differentiated).
+
+    The kernel computes dS = P * (dP - D) with D = rowsum(dO * O) and has no lse-gradient input; the exact
+    gradient needs D - dlse.  One extra zero column on q, k and v leaves the scores and dP unchanged, while a
+    column of ones on dO against a column of -dlse on O adds -dlse to D; the extra gradient columns are dropped.
+    (An O(S * D) copy, only for calls that differentiate lse.)"""
+    _, bwd = _ops()
+    d = q.shape[-1]
+    if dlse is not None:
+        pad = torch.nn.functional.pad
+        q, k, v = (pad(x, (0, 1)) for x in (q, k, v))
+        out = torch.cat([out, -dlse.transpose(1, 2)[..., None].to(out.dtype)], -1)
+        do = pad(do, (0, 1), value=1.0)
+    g = bwd(_bhsd(do), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, causal, scale=scale)
+    return tuple(_bhsd(x)[..., :d] for x in g)
+
+
+def _parts(spec: AttnSpec):
+    """The call as kernel calls: [(q rows, key range, is_causal)], rows/keys as (start, stop)."""
+    sq, sk = spec.seqlen_q, spec.seqlen_k
+    if spec.window_right != 0 or sq == sk:
+        return [((0, sq), (0, sk), spec.window_right == 0)]
+    if sq > sk:   # rows [0, Sq - Sk) see nothing; the rest is square
+        return [((sq - sk, sq), (0, sk), True)]
+    return [((0, sq), (0, sk - sq), False), ((0, sq), (sk - sq, sk), True)]
+
+
+def _merged(outs, lses, dtype):
+    """Exact merge of the two parts of a Sq < Sk causal call (flashport.merge's rule) in the lse's dtype (float64
+    for float64 calls; merge_states_torch weighs in float32).  Every row sees keys in both parts, so both lse
+    are finite.  -> (out, lse float32, lse in the kernel's dtype)."""
+    lse = torch.logaddexp(lses[0], lses[1])
+    out = sum(o.to(lse.dtype) * torch.exp(l - lse).transpose(1, 2)[..., None] for o, l in zip(outs, lses))
+    return out.to(dtype), lse.float(), lse
+
+
+class SdpaCpuBackend(dispatch.Backend):
+    """PyTorch's CPU flash kernel (aten `_scaled_dot_product_flash_attention_for_cpu` and its backward): dense
+    attention, none or causal (bottom-right, exact for every Sq / Sk), GQA, any scale, fwd + bwd, `lse`.
+    Chosen automatically on CPU ahead of `blockwise` (measured faster there: flashport bench on a CPU)."""
+
+    name = "sdpa-cpu"
+    auto_devices = ("cpu",)
+    state_family = "sdpa-cpu"   # private state: lse in the kernel's dtype (float64 for float64 inputs)
+    caps = Capabilities(devices=("cpu",), dtypes=("float16", "bfloat16", "float32", "float64"),
+                        max_head_dim=None, dv_ne_d=False, kinds=("dense",), paged_kvcache=False,
+                        mask_kinds=("none", "causal"), softcap=False, alibi=False, dropout=False,
+                        sdpa_flash_devices=("cpu",),
+                        notes=("causal bottom-right: Sq < Sk as two kernel calls merged by lse, Sq > Sk by "
+                               "skipping the rows that see no key",
+                               "a differentiated lse: the backward adds one padded column (see _bwd)",
+                               "deterministic=True served: its backward measured bitwise reproducible, GQA included (tests/test_sdpa_cpu.py)"))
+
+    def availability(self) -> list[str]:
+        if None in _ops():
+            return [f"torch {torch.__version__} lacks aten._scaled_dot_product_flash_attention_for_cpu"]
+        return []
+
+    def own_reasons(self, spec: AttnSpec, role: str) -> list[str]:
+        r = []
+        if spec.softmax_scale <= 0:
+            # measured (torch 2.13): with a negative scale the float16 path returns inf / garbage rows
+            r.append(f"softmax_scale {spec.softmax_scale:g} <= 0 (the kernel's float16 path breaks on it)")
+        if role == "bwd" and spec.softmax_scale * math.sqrt(spec.head_dim) > BWD_MAX_SCALE_RATIO:
+            # measured: on peaked softmaxes the kernel's gradients err up to ~7x the fp32 math path's (the rule
+            # allows 3x); at the default scale they stay well inside it
+            r.append(f"backward with softmax_scale {spec.softmax_scale:g} > {BWD_MAX_SCALE_RATIO} / sqrt(D): the "
+                     f"kernel's gradients exceed the tolerance rule on peaked softmaxes")
+        return r
+
+    def forward(self, spec: AttnSpec, inputs: AttnInputs):
+        q, k, v = inputs.q, inputs.k, inputs.v
+        b, sq, hq, _ = q.shape
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        if b == 0 or sq == 0 or spec.seqlen_k == 0:   # nothing to attend: zeros, lse = -inf (the kernel gives NaN)
+            out = q.new_zeros(b, sq, hq, spec.head_dim_v)
+            lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
+            return out, lse.float(), lse
+        parts = _parts(spec)
+        if len(parts) == 1:
+            (m0, m1), (n0, n1), causal = parts[0]
+            o, l = _fwd(q[:, m0:m1], k[:, n0:n1], v[:, n0:n1], causal, spec.softmax_scale)
+            if m0 == 0:
+                return o, l.float(), l
+            out = q.new_zeros(b, sq, hq, spec.head_dim_v)
+            lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
+            out[:, m0:] = o
+            lse[:, :, m0:] = l
+            return out, lse.float(), lse
+        outs, lses = zip(*(_fwd(q, k[:, n0:n1], v[:, n0:n1], causal, spec.softmax_scale)
+                           for _, (n0, n1), causal in parts))
+        return _merged(outs, lses, q.dtype)
+
+    def backward(self, spec: AttnSpec, inputs: AttnInputs, saved: dispatch.Saved, dout, dlse):
+        q, k, v, out = saved.q, saved.k, saved.v, saved.out
+        lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+        lse = saved.private if saved.private is not None else saved.lse.to(lse_dtype)
+        if q.numel() == 0 or spec.seqlen_k == 0:
+            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        dout = dout.to(q.dtype)
+        parts = _parts(spec)
+        if len(parts) == 1 and parts[0][0][0] == 0:   # one kernel call over every row and key: its gradients as they are
+            return _bwd(dout, q, k, v, out, lse, dlse, parts[0][2], spec.softmax_scale)
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        for (m0, m1), (n0, n1), causal in parts:
+            gq, gk, gv = _bwd(dout[:, m0:m1], q[:, m0:m1], k[:, n0:n1], v[:, n0:n1], out[:, m0:m1],
+                              lse[:, :, m0:m1].contiguous(), None if dlse is None else dlse[:, :, m0:m1],
+                              causal, spec.softmax_scale)
+            dq[:, m0:m1] += gq
+            dk[:, n0:n1] = gk
+            dv[:, n0:n1] = gv
+        return dq, dk, dv

@@ -1,0 +1,108 @@
+"""Backend `sdpa-cpu` (PyTorch's CPU flash kernel through its aten ops) under the tolerance rule, forward, lse and
+backward, including flashport's bottom-right causal rule where it differs from the kernel's top-left one; what
+it refuses and why; that auto picks it on CPU only where it serves; that it mixes with blockwise through
+(out, lse); that SDPA's hook never calls it; and the fuzzer on it."""
+import pytest
+import torch
+
+import flashport
+from conformance import Case, check_dense
+from flashport import dispatch
+from flashport.spec import dense_spec
+
+NAME = "sdpa-cpu"
+
+SERVED = [
+    Case(),                                                            # GQA 4/2, Sq == Sk
+    Case(b=1, sq=1, sk=1, hq=1, hkv=1, d=16),
+    Case(b=1, sq=3, sk=113, hq=2, hkv=1, d=40, causal=True),           # Sq < Sk: two parts merged by lse
+    Case(b=2, sq=113, sk=3, hq=2, hkv=2, d=80, causal=True),           # Sq > Sk: rows that see no key
+    Case(b=1, sq=127, sk=257, hq=4, hkv=1, d=64),                      # MQA, non-causal Sq != Sk
+    Case(b=2, sq=17, sk=33, hq=4, hkv=2, d=48, noncontig=True, causal=True),
+    Case(b=1, sq=29, sk=29, hq=2, hkv=2, d=96, scale=0.15, causal=True),
+]
+
+
+@pytest.mark.parametrize("case", SERVED, ids=str)
+def test_served_cases_fp32(case):
+    check_dense(NAME, case)                      # return_lse=True with grads: the lse gradient path too
+
+
+@pytest.mark.parametrize("case", SERVED[2:4], ids=str)
+def test_float64_stays_float64(case):
+    # The rule's math path is the reference itself in float64, so the bound is bare noise; ask for fp64 accuracy
+    # instead (a float32 step anywhere, e.g. in the merge of the Sq < Sk parts, would give ~1e-7).
+    q, k, v = (torch.randn(1, s, h, case.d, dtype=torch.float64, requires_grad=True)
+               for s, h in ((case.sq, case.hq), (case.sk, case.hkv), (case.sk, case.hkv)))
+    got = flashport.attention(q, k, v, causal=True, backend=NAME)
+    want = flashport.attention(q, k, v, causal=True, backend="reference")
+    assert (got - want).abs().max() < 1e-12
+    g = torch.autograd.grad(got, (q, k, v), torch.ones_like(got))
+    w = torch.autograd.grad(want, (q, k, v), torch.ones_like(got))
+    assert max((a - b).abs().max() for a, b in zip(g, w)) < 1e-11
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", [SERVED[0], SERVED[2], SERVED[3]], ids=str)
+def test_served_cases_low_precision(case, dtype):
+    check_dense(NAME, case.replace(dtype=dtype))
+
+
+def _spec(**kw):
+    q, k, v = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, kw.pop("dv", 16))
+    args = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                dropout_p=0.0, deterministic=False, return_lse=False)
+    args.update(kw)
+    return dense_spec(q, k, v, **args)[0]
+
+
+@pytest.mark.parametrize("kw,why", [(dict(window_size=(3, 0)), "mask kind 'window'"), (dict(softcap=5.0), "softcap"),
+                                    (dict(alibi_slopes=torch.rand(2)), "ALiBi"), (dict(dropout_p=0.1), "dropout"),
+                                    (dict(dv=8), "Dv != D"), (dict(softmax_scale=-0.2), "softmax_scale")])
+def test_refusals_say_why_and_auto_goes_to_blockwise(kw, why):
+    spec = _spec(**kw)
+    assert any(why in r for r in dispatch.get(NAME).supports(spec))
+    assert dispatch.select(spec).fwd.name == "blockwise"
+
+
+def test_auto_picks_it_on_cpu_for_what_it_serves():
+    assert dispatch.select(_spec()).name == NAME
+    assert dispatch.select(_spec(causal=True, return_lse=True)).name == NAME
+    assert dispatch.get(NAME).caps.sdpa_flash_devices == ("cpu",)
+    assert NAME in [b.name for b in flashport.backends() if b.available]
+
+
+def test_peaked_softmax_backward_goes_to_blockwise():
+    # softmax_scale 1.6 / sqrt(D): the kernel's forward is served, its gradients would break the rule
+    spec = _spec(softmax_scale=0.4, causal=True)
+    assert dispatch.get(NAME).supports(spec) == []
+    q, k, v = (torch.randn(1, 8, 2, 16, requires_grad=True) for _ in range(3))
+    spec = dense_spec(q, k, v, causal=True, softmax_scale=0.4, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                      dropout_p=0.0, deterministic=False, return_lse=False)[0]
+    assert dispatch.select(spec).name == f"{NAME}/blockwise"
+    check_dense(None, Case(b=1, sq=29, sk=29, hq=2, hkv=2, d=96, scale=0.37, causal=True))
+
+
+@pytest.mark.parametrize("plan", [f"blockwise/{NAME}", f"{NAME}/blockwise"])
+def test_mixes_with_blockwise_through_out_and_lse(plan):
+    check_dense(plan, Case(b=1, sq=5, sk=23, hq=4, hkv=2, d=32, causal=True))
+
+
+def test_deterministic_backward_is_bitwise():
+    q, k, v = (torch.randn(2, 300, h, 32, requires_grad=True) for h in (4, 2, 2))
+    runs = []
+    for _ in range(3):
+        out = flashport.attention(q, k, v, causal=True, deterministic=True, backend=NAME)
+        runs.append(torch.autograd.grad(out, (q, k, v), torch.ones_like(out)))
+    assert all(torch.equal(a, b) for r in runs[1:] for a, b in zip(runs[0], r))
+
+
+def test_fuzzer_hits_it_hundreds_of_times():
+    from flashport.fuzz import run_fuzz
+    results, summary = run_fuzz(n=3000, seed=14, device="cpu", size="small", backend=NAME, entries=("attention",),
+                                dtypes=("float32", "float16", "bfloat16"), verbose=False, workers=1,
+                                out=lambda *a: None)
+    bad = [(r["index"], r["note"], r["worst"]) for r in results if r["status"] not in ("PASS", "SKIP")]
+    assert not bad, bad
+    served = summary["by_variant"].get(f"backend:{NAME}", {}).get("cases", 0)
+    assert served >= 300, summary["status"]
