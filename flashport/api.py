@@ -17,21 +17,34 @@ def _finish(out, lse, return_lse):
 
 
 def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-              alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False, backend=None):
+              alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False, backend=None,
+              score_mod=None, mask_mod=None, block_mask=None, attn_bias=None):
     """Exact softmax attention.  q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv].
 
     Equivalent PyTorch math (per batch b and query head h, kv head g = h // (Hq // Hkv)):
         s = softmax_scale * q[b, :, h] @ k[b, :, g].T   (then softcap, ALiBi, visibility mask)
         out[b, :, h] = softmax(s, -1) @ v[b, :, g]
     Returns out [B, Sq, Hq, Dv] in q's dtype, and with return_lse also lse [B, Hq, Sq] float32.
+
+    Programmable attention (FlexAttention's signatures; flashport/programmable.py has the pipeline):
+        score_mod(score, b, h, q_idx, kv_idx) -> score   applied after softcap and ALiBi
+        attn_bias: floating, broadcastable to [B, Hq, Sq, Sk], added after score_mod
+        mask_mod(b, h, q_idx, kv_idx) -> bool            ANDed with the built-in visibility rule
+        block_mask: from flashport.create_block_mask (or torch's); brings its mask_mod
+    Gradients reach attn_bias and tensors score_mod captures when they require grad.
     """
+    mods = score_mod is not None or mask_mod is not None or block_mask is not None or attn_bias is not None
+    if _compiling() and mods:
+        raise NotImplementedError("flashport.attention with score_mod / mask_mod / block_mask / attn_bias does not "
+                                  "trace under torch.compile yet; call it outside the compiled region")
     if _compiling():
         return ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                              deterministic=deterministic, return_lse=return_lse, backend=backend)
     spec, inputs = dense_spec(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                               softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
-                              deterministic=deterministic, return_lse=return_lse)
+                              deterministic=deterministic, return_lse=return_lse, score_mod=score_mod,
+                              mask_mod=mask_mod, block_mask=block_mask, attn_bias=attn_bias)
     return _finish(*serve.call(spec, inputs, backend), return_lse)
 
 

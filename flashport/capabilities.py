@@ -43,6 +43,8 @@ class Capabilities:
     lse: bool = True                            # return_lse
     deterministic: bool = True                  # deterministic=True backward
     gqa: bool = True
+    # programmable features served (flashport.programmable.FEATURES: score_mod, mask_mod, block_mask, attn_bias)
+    mods: tuple = ()
     min_capability: Optional[tuple] = None      # CUDA compute capability, inclusive
     max_capability: Optional[tuple] = None
     triton_versions: Optional[tuple] = None     # tested releases (None: Triton not used)
@@ -94,6 +96,9 @@ def reasons(caps: Capabilities, spec, role: str) -> list[str]:
         r.append("return_lse (lse not exposed)")
     if role == "bwd" and spec.deterministic and not caps.deterministic:
         r.append("deterministic=True backward (not bitwise reproducible)")
+    for f in spec.mods:
+        if f not in caps.mods:
+            r.append(f"{f} (not compiled by this backend yet)" if f in ("score_mod", "mask_mod") else f)
     if spec.heads_q != spec.heads_kv and not caps.gqa:
         r.append("GQA / MQA")
     if spec.device.type == "cuda" and (caps.min_capability or caps.max_capability):

@@ -255,8 +255,8 @@ def _side(device) -> torch.cuda.Stream:
 
 def check(spec, inputs, out, backend: str, tolerance: float | None) -> None:
     """Schedule one check of `out` (the call's output) for `backend`; never waits for the device."""
-    if spec.dropout_p > 0 or spec.kind not in ("dense", "varlen", "kvcache"):
-        monitor.add(backend, guard_skipped=1)
+    if spec.dropout_p > 0 or spec.mods or spec.kind not in ("dense", "varlen", "kvcache"):
+        monitor.add(backend, guard_skipped=1)   # the row check knows neither dropout masks nor user mods
         return
     if spec.seqlen_k * max(spec.head_dim, spec.head_dim_v) > MAX_KEY_ELEMENTS or len(_pending) >= MAX_PENDING:
         monitor.add(backend, guard_skipped=1)

@@ -21,6 +21,7 @@ import torch
 from . import env
 from .masks import Visibility
 from .overlap import overlaps
+from .programmable import Programmable, build as build_programmable
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -59,6 +60,8 @@ class AttnSpec:
     paged: bool = False
     page_block_size: int = 0
     new_kv: int = 0  # S_new tokens appended to the cache before attending
+    # programmable features present (flashport.programmable.FEATURES): "score_mod", "mask_mod", ...
+    mods: tuple = ()
 
     @property
     def group_size(self) -> int:
@@ -92,6 +95,7 @@ class AttnInputs:
     # dropout: int64 [2] (seed, offset) on q's device, drawn from q's device generator.
     rng_state: Optional[torch.Tensor] = None
     dropout_mask: Optional[torch.Tensor] = None  # explicit keep-mask (reference only, for tests)
+    prog: Optional[Programmable] = None          # score_mod / mask_mod / block_mask / attn_bias
     extra: dict = field(default_factory=dict)
 
 
@@ -273,7 +277,8 @@ def _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropou
 
 # ----------------------------------------------------------------------------- entry points
 def dense_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
-               deterministic, return_lse) -> tuple[AttnSpec, AttnInputs]:
+               deterministic, return_lse, score_mod=None, mask_mod=None, block_mask=None,
+               attn_bias=None) -> tuple[AttnSpec, AttnInputs]:
     for t, n in ((q, "q"), (k, "k"), (v, "v")):
         _tensor(t, n)
     _rank(q, "q", 4, "[B, Sq, Hq, D]")
@@ -287,11 +292,15 @@ def dense_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_sl
     b, sq, hq, d = q.shape
     opts = _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                    deterministic, return_lse, b, hq, sq + k.shape[1])
+    prog = build_programmable(score_mod, mask_mod, block_mask, attn_bias, batch=b, heads_q=hq, sq=sq,
+                              sk=k.shape[1], device=q.device)
+    extra = () if prog is None else prog.differentiable
     spec = AttnSpec(kind="dense", batch=b, seqlen_q=sq, seqlen_k=k.shape[1], heads_q=hq,
                     heads_kv=k.shape[2], head_dim=d, head_dim_v=v.shape[-1], dtype=q.dtype,
-                    device=q.device, needs_grad=_needs_grad(q, k, v), **opts)
+                    device=q.device, needs_grad=_needs_grad(q, k, v, *extra),
+                    mods=() if prog is None else prog.features, **opts)
     return spec, AttnInputs(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
-                            alibi_slopes=alibi_slopes)
+                            alibi_slopes=alibi_slopes, prog=prog)
 
 
 def _cu_seqlens(cu, name: str, batch: Optional[int], total: int, max_seqlen: int, max_name: str, device):

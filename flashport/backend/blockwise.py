@@ -31,6 +31,7 @@ from .. import dispatch
 from ..capabilities import DTYPES, Capabilities
 from ..dropout import dense_keep_mask, keep_mask
 from ..masks import Visibility, alibi_bias
+from ..programmable import FEATURES
 from ..spec import AttnInputs, AttnSpec
 
 # Tile sizes.  Module attributes (read at each call) so tests can shrink them to exercise
@@ -68,9 +69,12 @@ class _Tiling:
     block_n: int
 
 
-def _fit(opt: _Tiling, rows: int) -> tuple[int, int]:
-    """(BLOCK_M, BLOCK_N) for `rows` = B * Hq query rows per tile row, within TILE_ELEMENTS."""
+def _fit(opt: _Tiling, rows: int, prog=None) -> tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) for `rows` = B * Hq query rows per tile row, within TILE_ELEMENTS; a block mask's
+    own tiles when there is one (so that its empty tiles are skipped one by one)."""
     bm, bn = opt.block_m, opt.block_n
+    if prog is not None and prog.block_mask is not None:
+        bm, bn = prog.block_mask.block_size
     while rows * bm * bn > TILE_ELEMENTS and bm > 16:
         bm //= 2
     while rows * bm * bn > TILE_ELEMENTS and bn > 16:
@@ -99,28 +103,65 @@ def _rows(x: torch.Tensor, m0: int, m1: int) -> torch.Tensor:
     return x[:, :, :, m0:m1].reshape(b, hkv, g * (m1 - m0), *x.shape[4:])
 
 
-def _scores(q_t, k_t, m0, m1, n0, n1, vis: Visibility, opt: _Tiling, slopes):
+def _mod_index(b0: int, batch: int, heads_kv: int, g: int, m0, m1, n0, n1, device):
+    """(b, h, q_idx, kv_idx) of a tile viewed as [B, Hkv, G, BM, BN], broadcasting (h = kv * G + g)."""
+    return (torch.arange(b0, b0 + batch, device=device).view(batch, 1, 1, 1, 1),
+            torch.arange(heads_kv * g, device=device).view(1, heads_kv, g, 1, 1),
+            torch.arange(m0, m1, device=device).view(1, 1, 1, -1, 1),
+            torch.arange(n0, n1, device=device).view(1, 1, 1, 1, -1))
+
+
+def _scores(q_t, k_t, m0, m1, n0, n1, vis: Visibility, opt: _Tiling, slopes, prog=None, b0=0, keep_pre=False):
     """Final scores of one tile, [B, Hkv, G * BM, BN], hidden pairs at -inf; also tanh(raw / softcap)
-    (for the softcap gradient) or None.  slopes: [B, Hkv, G, 1, 1] ALiBi slopes in the compute
-    dtype, or None.  The scale multiplies the product (not q beforehand) so rounding matches the
-    math path: s = scale * (q @ k.T)."""
+    (for the softcap gradient) or None, and for the backward of a programmable call whose mods change the
+    scores (keep_pre) the scores before the mods with the tile's index tensors, else None.  slopes:
+    [B, Hkv, G, 1, 1] ALiBi slopes in the compute dtype, or None.  The scale multiplies the product (not q
+    beforehand) so rounding matches the math path: s = scale * (q @ k.T)."""
     s = (q_t @ k_t.transpose(-1, -2)).mul_(opt.scale)
     t = None
     if opt.softcap > 0:
         t = torch.tanh(s.div_(opt.softcap))
         s = opt.softcap * t
-    needs_mask = not vis.tile_is_full(m0, m1, n0, n1)
-    if slopes is None and not needs_mask:
-        return s, t
+    partial = prog is not None and prog.tile(m0, m1, n0, n1) == "partial"
+    needs_mask = not vis.tile_is_full(m0, m1, n0, n1) or partial
+    if slopes is None and not needs_mask and prog is None:
+        return s, t, None
     b, hkv, rows, bn = s.shape
-    s5 = s.view(b, hkv, slopes.shape[2] if slopes is not None else rows // (m1 - m0), m1 - m0, bn)
+    g = rows // (m1 - m0)
+    s5 = s.view(b, hkv, g, m1 - m0, bn)
     i = torch.arange(m0, m1, device=s.device)[:, None]
     j = torch.arange(n0, n1, device=s.device)[None, :]
     if slopes is not None:
         s5 += alibi_bias(slopes, i, j, vis.sq, vis.sk).to(s.dtype)
+    pre = None
+    if prog is not None:
+        idx = _mod_index(b0, b, hkv, g, m0, m1, n0, n1, s.device)
+        if prog.changes_scores:
+            if keep_pre:
+                pre = (s5.clone(), idx)
+            s5.copy_(prog.scores(s5, *idx))
     if needs_mask:
-        s5.masked_fill_(~vis.sees(i, j), _NEG_INF)
-    return s, t
+        hidden = ~vis.sees(i, j)
+        if partial:
+            seen = prog.visible(*idx)
+            if seen is not None:
+                hidden = hidden | ~seen
+        s5.masked_fill_(hidden, _NEG_INF)
+    return s, t, pre
+
+
+def _through_mods(prog, pre, ds: torch.Tensor, grads: list) -> torch.Tensor:
+    """Chain dS (after the mods) back through score_mod and attn_bias: returns dS before them and adds the
+    gradients of prog.differentiable (attn_bias, captured tables) into `grads`."""
+    s5, idx = pre
+    extras = prog.differentiable
+    with torch.enable_grad():
+        x = s5.detach().requires_grad_()
+        y = prog.scores(x, *idx)
+        got = torch.autograd.grad(y, (x, *extras), ds.view(s5.shape), allow_unused=True, materialize_grads=True)
+    for n, gr in enumerate(got[1:]):
+        grads[n] = gr if grads[n] is None else grads[n] + gr
+    return got[0].view(ds.shape)
 
 
 def _keep(opt: _Tiling, b0: int, batch: int, heads_kv: int, m0, m1, n0, n1, device) -> torch.Tensor:
@@ -141,9 +182,9 @@ def _slopes5(alibi: Optional[torch.Tensor], heads_kv: int, cd) -> Optional[torch
     return alibi.to(cd).view(b, heads_kv, hq // heads_kv, 1, 1)
 
 
-def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b0: int = 0):
+def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b0: int = 0, prog=None):
     """One dense problem.  q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv]; alibi [B, Hq]
-    float32 or None; b0 = batch index of q[0] (dropout counters).
+    float32 or None; b0 = batch index of q[0] (dropout counters); prog: the programmable mods or None.
 
     Returns out [B, Sq, Hq, Dv] in q's dtype and lse [B, Hq, Sq] in the compute dtype.
     Equivalent to materialized_attention(q, k, v, ...) without ever holding an [Sq, Sk] matrix."""
@@ -156,7 +197,7 @@ def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b
     slopes = _slopes5(alibi, hkv, cd)
     out = torch.zeros(b, hkv, g, sq, dv, dtype=cd, device=q.device)
     lse = torch.full((b, hkv, g, sq), _NEG_INF, dtype=cd, device=q.device)
-    block_m, block_n = _fit(opt, b * hq)
+    block_m, block_n = _fit(opt, b * hq, prog)
     vis = Visibility(sq, sk, opt.left, opt.right)
     for m0 in range(0, sq, block_m):
         m1 = min(m0 + block_m, sq)
@@ -169,7 +210,9 @@ def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b
         acc = torch.zeros(*q_t.shape[:3], dv, dtype=cd, device=q.device)
         for n0 in range(lo, hi, block_n):
             n1 = min(n0 + block_n, hi)
-            s, _ = _scores(q_t, kh[:, :, n0:n1], m0, m1, n0, n1, vis, opt, slopes)
+            if prog is not None and prog.tile(m0, m1, n0, n1) == "empty":
+                continue
+            s, _, _ = _scores(q_t, kh[:, :, n0:n1], m0, m1, n0, n1, vis, opt, slopes, prog, b0)
             m_new = torch.maximum(m_i, s.amax(-1))
             # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
             # exp(-inf - m) = 0 rather than NaN.
@@ -191,9 +234,11 @@ def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b
     return out, lse.reshape(b, hq, sq)
 
 
-def backward_tiles(do, q, k, v, out, lse, dlse, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b0: int = 0):
+def backward_tiles(do, q, k, v, out, lse, dlse, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b0: int = 0,
+                   prog=None):
     """Gradients of one dense problem (shapes as forward_tiles; do like out, lse [B, Hq, Sq] in the
-    compute dtype, dlse like lse or None).  Returns dq, dk, dv in the inputs' dtypes.
+    compute dtype, dlse like lse or None).  Returns dq, dk, dv in the inputs' dtypes, then the gradients
+    of prog.differentiable (attn_bias, captured tensors) when prog is given.
 
     Outer loop over key tiles (dK, dV accumulate per tile), inner loop over the query tiles that can
     see them; dQ accumulates in a float buffer.  With p = exp(s - lse) recomputed:
@@ -217,16 +262,19 @@ def backward_tiles(do, q, k, v, out, lse, dlse, opt: _Tiling, alibi: Optional[to
     dq = torch.zeros(b, hkv, g, sq, d, dtype=cd, device=q.device)
     dk = torch.zeros(b, hkv, sk, d, dtype=cd, device=q.device)
     dvh = torch.zeros(b, hkv, sk, dv, dtype=cd, device=q.device)
-    block_m, block_n = _fit(opt, b * hq)
+    block_m, block_n = _fit(opt, b * hq, prog)
     vis = Visibility(sq, sk, opt.left, opt.right)
+    dextras = [None] * (0 if prog is None else len(prog.differentiable))
     for n0 in range(0, sk, block_n):
         n1 = min(n0 + block_n, sk)
         lo, hi = vis.query_range(n0, n1)
         k_t, v_t = kh[:, :, n0:n1], vh[:, :, n0:n1]
         for m0 in range(lo, hi, block_m):
             m1 = min(m0 + block_m, hi)
+            if prog is not None and prog.tile(m0, m1, n0, n1) == "empty":
+                continue
             q_t, do_t = _rows(qh, m0, m1), _rows(doh, m0, m1)
-            s, t = _scores(q_t, k_t, m0, m1, n0, n1, vis, opt, slopes)
+            s, t, pre = _scores(q_t, k_t, m0, m1, n0, n1, vis, opt, slopes, prog, b0, keep_pre=True)
             p = s.sub_(_rows(lse_h, m0, m1)[..., None]).exp_()
             dp = do_t @ v_t.transpose(-1, -2)
             if opt.dropout_p > 0:
@@ -236,13 +284,18 @@ def backward_tiles(do, q, k, v, out, lse, dlse, opt: _Tiling, alibi: Optional[to
             else:
                 dvh[:, :, n0:n1] += p.transpose(-1, -2) @ do_t
             ds = dp.sub_(_rows(delta, m0, m1)[..., None]).mul_(p)
+            if pre is not None:
+                ds = _through_mods(prog, pre, ds, dextras)
             if t is not None:
                 ds.mul_(1.0 - t * t)
             dq[:, :, :, m0:m1] += (ds @ k_t).view(b, hkv, g, m1 - m0, d)
             dk[:, :, n0:n1] += ds.transpose(-1, -2) @ q_t
     dq = (dq * opt.scale).permute(0, 3, 1, 2, 4).reshape(b, sq, hq, d).to(q.dtype)
     dk = (dk * opt.scale).permute(0, 2, 1, 3).to(k.dtype)
-    return dq, dk, dvh.permute(0, 2, 1, 3).to(v.dtype)
+    if prog is not None:  # a tensor no visible tile reached gets zeros, in its own shape and dtype
+        dextras = [torch.zeros_like(x) if gr is None else gr.to(x.dtype)
+                   for x, gr in zip(prog.differentiable, dextras)]
+    return (dq, dk, dvh.permute(0, 2, 1, 3).to(v.dtype), *dextras)
 
 
 @dataclass
@@ -252,13 +305,14 @@ class _Call:
     tiling: _Tiling
     alibi: Optional[torch.Tensor]          # [B, Hq] float32 or None
     segments: Optional[list] = None        # varlen: [(q0, q1, k0, k1)] per sequence; None = dense
+    prog: object = None                    # dense programmable calls: flashport.programmable.Programmable
 
     def _alibi(self, b: int):
         return None if self.alibi is None else self.alibi[b:b + 1]
 
     def forward(self, q, k, v):
         if self.segments is None:
-            return forward_tiles(q, k, v, self.tiling, self.alibi)
+            return forward_tiles(q, k, v, self.tiling, self.alibi, prog=self.prog)
         hq, dv = q.shape[1], v.shape[2]
         out = q.new_zeros(q.shape[0], hq, dv)                 # rows past cu_seqlens_q[-1] stay zero
         lse = torch.full((hq, q.shape[0]), _NEG_INF, dtype=_compute_dtype(q.dtype), device=q.device)
@@ -270,13 +324,14 @@ class _Call:
 
     def backward(self, do, dlse, q, k, v, out, lse):
         if self.segments is None:
-            return backward_tiles(do, q, k, v, out, lse, dlse, self.tiling, self.alibi)
+            return backward_tiles(do, q, k, v, out, lse, dlse, self.tiling, self.alibi, prog=self.prog)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for b, (q0, q1, k0, k1) in enumerate(self.segments):
             if q1 > q0 and k1 > k0:
                 g = backward_tiles(do[q0:q1][None], q[q0:q1][None], k[k0:k1][None], v[k0:k1][None],
                                    out[q0:q1][None], lse[:, q0:q1][None],
                                    None if dlse is None else dlse[:, q0:q1][None], self.tiling, self._alibi(b), b)
+
                 dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
         return dq, dk, dv
 
@@ -314,7 +369,7 @@ class BlockwiseBackend(dispatch.Backend):
     name = "blockwise"
     slow_on_gpu = True
     state_family = "blockwise"   # its private state: lse in the compute dtype (float64 for float64 inputs)
-    caps = Capabilities(devices=("cuda", "cpu", "mps", "xpu"), dtypes=DTYPES, max_head_dim=None,
+    caps = Capabilities(devices=("cuda", "cpu", "mps", "xpu"), dtypes=DTYPES, max_head_dim=None, mods=FEATURES,
                         notes=("varlen and KV cache read lengths on the host (a sync on a GPU)",))
 
     def extra_bytes(self, spec: AttnSpec, role: str = "fwd") -> int:
@@ -347,4 +402,4 @@ def _call(spec: AttnSpec, inputs: AttnInputs) -> tuple[_Call, _Tiling]:
     if spec.kind == "varlen":
         cq, ck = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
         segments = [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(spec.batch)]
-    return _Call(opt, alibi, segments), opt
+    return _Call(opt, alibi, segments, inputs.prog), opt

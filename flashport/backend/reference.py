@@ -15,6 +15,7 @@ from ..capabilities import DTYPES, Capabilities
 from ..dropout import dense_keep_mask
 from ..kvcache import gather_pages
 from ..masks import alibi_bias, visible
+from ..programmable import FEATURES
 from ..spec import AttnInputs, AttnSpec, dense_spec
 
 
@@ -22,12 +23,13 @@ def materialized_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi
                            left: int = -1, right: int = -1, seqlens_k: Optional[torch.Tensor] = None,
                            keep: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                            compute_dtype: torch.dtype = torch.float64, rows: Optional[torch.Tensor] = None,
-                           seqlen_q=None):
+                           seqlen_q=None, prog=None):
     """q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> out [B, Sq, Hq, Dv] (q's dtype),
     lse [B, Hq, Sq] float32.  alibi [B, Hq] float32; seqlens_k [B] valid keys per batch entry
     (bottom-right alignment uses them); keep [B, Hq, Sq, Sk] bool keep-mask for dropout.
     rows / seqlen_q: q holds only these query rows (int64 [Sq]) of a call with seqlen_q rows (an int or a
-    tensor; the alignment and ALiBi use it), as the guard checks a few rows of a large call."""
+    tensor; the alignment and ALiBi use it), as the guard checks a few rows of a large call.
+    prog: a flashport.programmable.Programmable (score_mod, attn_bias, mask_mod, block mask) or None."""
     b, sq, hq, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -47,7 +49,14 @@ def materialized_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi
     if alibi is not None:
         s = s + alibi_bias(alibi[:, :, None, None].to(cd), i, j, sq_full, skv).to(cd)
     vis = visible(i, j, sq_full, skv, left, right)
-    vis = vis.expand(b, hq, sq, sk) if vis.dim() == 4 else vis.expand(b, hq, sq, sk)
+    if prog is not None:
+        bi = torch.arange(b, device=q.device).view(b, 1, 1, 1)
+        hi = torch.arange(hq, device=q.device).view(1, hq, 1, 1)
+        s = prog.scores(s, bi, hi, i[None, None], j[None, None])
+        mods = prog.visible(bi, hi, i[None, None], j[None, None])
+        if mods is not None:
+            vis = vis & mods
+    vis = vis.expand(b, hq, sq, sk)
     # A finite fill keeps empty rows free of NaN in forward and backward: their l is 0, so p = 0,
     # out = 0 and lse = -inf, and every gradient through them is exactly zero.
     fill = -1e300 if cd == torch.float64 else max(-1e30, torch.finfo(cd).min)  # fp16 tops out at 65504
@@ -95,7 +104,7 @@ class ReferenceBackend(dispatch.Backend):
     auto = False
     slow_on_gpu = True
     caps = Capabilities(devices=("cuda", "cpu", "mps", "xpu"), dtypes=DTYPES, max_head_dim=None,
-                        materialises_scores=True)
+                        materialises_scores=True, mods=FEATURES)
 
     def extra_bytes(self, spec: AttnSpec, role: str = "fwd") -> int:
         # the float64 scores and three temporaries of their size (filled, exp, probabilities)
@@ -112,13 +121,14 @@ class ReferenceBackend(dispatch.Backend):
             outs, grads = (out,), (dout,)
             if dlse is not None:
                 outs, grads = (out, lse), (dout, dlse)
-            return torch.autograd.grad(outs, (q, k, v), grads, allow_unused=True, materialize_grads=True)
+            extras = () if inputs.prog is None else inputs.prog.differentiable
+            return torch.autograd.grad(outs, (q, k, v, *extras), grads, allow_unused=True, materialize_grads=True)
 
     def _forward(self, spec: AttnSpec, inputs: AttnInputs):
         if spec.kind == "dense":
             return materialized_attention(
                 inputs.q, inputs.k, inputs.v, alibi=_alibi_bh(spec, inputs.alibi_slopes, spec.batch),
-                keep=_keep(spec, inputs, spec.seqlen_q, spec.seqlen_k), **_kw(spec))
+                keep=_keep(spec, inputs, spec.seqlen_q, spec.seqlen_k), prog=inputs.prog, **_kw(spec))
         if spec.kind == "kvcache":
             k, v = inputs.k, inputs.v
             if spec.paged:
@@ -165,4 +175,5 @@ def reference_attention(q, k, v, *, dropout_mask: Optional[torch.Tensor] = None,
 
 
 _DEFAULTS = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
-                 dropout_p=0.0, deterministic=False, return_lse=False)
+                 dropout_p=0.0, deterministic=False, return_lse=False, score_mod=None, mask_mod=None,
+                 block_mask=None, attn_bias=None)

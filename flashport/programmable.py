@@ -1,0 +1,159 @@
+"""Programmable attention: score_mod, mask_mod, block masks and attn_bias (FlexAttention's signatures).
+
+The score pipeline, one rule for every backend (DESIGN.md, "Programmable attention"):
+
+    s = softmax_scale * q.k  ->  softcap  ->  ALiBi  ->  score_mod(s, b, h, q_idx, kv_idx)
+      ->  + attn_bias[b, h, q_idx, kv_idx]  ->  visible = built-in rule AND mask_mod(b, h, q_idx, kv_idx)
+      AND the block mask's tile is not empty  ->  softmax
+
+The mods get integer index tensors that broadcast against each other and the score (b batch, h *query*
+head, q_idx / kv_idx 0-based positions without the bottom-right shift), so a mod written for Flex's
+vmap runs here on a whole tile at once.  `Programmable.scores` and `Programmable.visible` evaluate the
+pipeline on any rectangle of the score matrix: the reference on all of it, blockwise tile by tile.
+
+Gradients reach tensors a score_mod captures (a learnable relative-position table) and attn_bias: they
+become extra inputs of the autograd Function (`differentiable`), found once per call by running the mod
+on a one-element probe under a TorchFunctionMode (`captured_tensors`): whatever tensor that requires
+grad enters one of its torch operations without having been made by it is a captured input.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Optional
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from .block_mask import BlockMask, as_block_mask
+
+FEATURES = ("score_mod", "mask_mod", "block_mask", "attn_bias")
+
+
+class _Probe(TorchFunctionMode):
+    """Records the tensors requiring grad that a function reads but did not make."""
+
+    def __init__(self):
+        super().__init__()
+        self.made: list = []          # kept alive so that their ids stay unique during the probe
+        self.made_ids: set = set()
+        self.captured: dict = {}
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        for t in tree_leaves((args, kwargs)):
+            if isinstance(t, torch.Tensor) and t.requires_grad and id(t) not in self.made_ids:
+                self.captured.setdefault(id(t), t)
+        out = func(*args, **kwargs)
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self.made.append(t)
+                self.made_ids.add(id(t))
+        return out
+
+
+def captured_tensors(score_mod: Callable, device) -> tuple:
+    """The tensors requiring grad that score_mod reads (closures, globals, module parameters alike)."""
+    probe = _Probe()
+    idx = torch.zeros((), dtype=torch.int64, device=device)
+    with torch.enable_grad(), probe:
+        score_mod(torch.zeros((), dtype=torch.float32, device=device), idx, idx, idx, idx)
+    return tuple(probe.captured.values())
+
+
+@dataclass
+class Programmable:
+    """The programmable part of one call (an input, not part of the hashable spec).
+
+    block_mask: a flashport BlockMask (torch BlockMasks are converted); attn_bias: floating, broadcastable
+    to [B, Hq, Sq, Sk]; captured: tensors score_mod reads that require grad."""
+
+    score_mod: Optional[Callable] = None
+    mask_mod: Optional[Callable] = None
+    block_mask: Optional[BlockMask] = None
+    attn_bias: Optional[torch.Tensor] = None
+    captured: tuple = ()
+
+    @property
+    def features(self) -> tuple:
+        """The feature names present (the spec's `mods`, which capabilities are checked against)."""
+        return tuple(f for f in FEATURES if getattr(self, f) is not None)
+
+    @property
+    def differentiable(self) -> tuple:
+        """Extra inputs of the autograd Function, in order: attn_bias (when it requires grad), captured."""
+        bias = (self.attn_bias,) if self.attn_bias is not None and self.attn_bias.requires_grad else ()
+        return bias + self.captured
+
+    @property
+    def changes_scores(self) -> bool:
+        return self.score_mod is not None or self.attn_bias is not None
+
+    def scores(self, s: torch.Tensor, b, h, i, j) -> torch.Tensor:
+        """score_mod, then + attn_bias, on scores `s` whose entries sit at the broadcast (b, h, i, j)."""
+        if self.score_mod is not None:
+            s = torch.broadcast_to(self.score_mod(s, b, h, i, j), s.shape).to(s.dtype)
+        if self.attn_bias is not None:
+            bias = self.attn_bias
+            bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+            # index only the broadcast dims of size > 1 (a size-1 dim broadcasts by itself)
+            idx = tuple(x if n > 1 else torch.zeros_like(x) for x, n in zip((b, h, i, j), bias.shape))
+            s = s + bias[idx].to(s.dtype)
+        return s
+
+    def visible(self, b, h, i, j) -> Optional[torch.Tensor]:
+        """mask_mod AND the block mask's non-empty tiles at (b, h, i, j), or None when neither is given."""
+        vis = None
+        if self.block_mask is not None:
+            vis = self.block_mask.tile_visible(b, h, i, j)
+        if self.mask_mod is not None:
+            m = self.mask_mod(b, h, i, j).to(torch.bool)
+            vis = m if vis is None else vis & m
+        return vis
+
+    def tile(self, m0: int, m1: int, n0: int, n1: int) -> str:
+        """"empty", "full" or "partial" for the rows [m0, m1) x keys [n0, n1) over every batch and head,
+        from the block mask ("partial" without one: every pair is evaluated)."""
+        if self.block_mask is None:
+            return "partial"
+        return self.block_mask.state_of(m0, m1, n0, n1)
+
+
+def build(score_mod, mask_mod, block_mask, attn_bias, *, batch: int, heads_q: int, sq: int, sk: int,
+          device) -> Optional[Programmable]:
+    """Validate the programmable keywords of a dense call (names in every error) -> Programmable or None."""
+    if score_mod is None and mask_mod is None and block_mask is None and attn_bias is None:
+        return None
+    device = torch.device(device)
+    for f, name in ((score_mod, "score_mod"), (mask_mod, "mask_mod")):
+        if f is not None and not callable(f):
+            raise TypeError(f"{name} must be callable or None, got {type(f).__name__}")
+    bm = None
+    if block_mask is not None:
+        bm = as_block_mask(block_mask)
+        if bm.mask_mod is not None:
+            if mask_mod is None:
+                mask_mod = bm.mask_mod
+            elif mask_mod is not bm.mask_mod:
+                raise ValueError("mask_mod and block_mask.mask_mod are different functions; pass one of them "
+                                 "(a block mask brings its mask_mod)")
+        bm.check(batch, heads_q, sq, sk, device)
+    if attn_bias is not None:
+        if not isinstance(attn_bias, torch.Tensor):
+            raise TypeError(f"attn_bias must be a torch.Tensor or None, got {type(attn_bias).__name__}")
+        if not attn_bias.is_floating_point():
+            raise TypeError(f"attn_bias must be a floating tensor, got {attn_bias.dtype}")
+        if attn_bias.device != device:
+            raise ValueError(f"attn_bias must be on q's device {device}, got {attn_bias.device}")
+        full = (batch, heads_q, sq, sk)
+        if attn_bias.dim() > 4 or any(n not in (1, f) for n, f in zip(reversed(attn_bias.shape), reversed(full))):
+            raise ValueError(f"attn_bias of shape {tuple(attn_bias.shape)} does not broadcast to [B, Hq, Sq, Sk]="
+                             f"{list(full)}")
+    captured = ()
+    if score_mod is not None:
+        try:
+            captured = captured_tensors(score_mod, device)
+        except Exception as e:  # a mod that fails on a scalar probe still runs on tiles; it just gets no captures
+            raise ValueError(f"score_mod failed on a probe call score_mod(score, b, h, q_idx, kv_idx) with 0-d "
+                             f"tensors: {type(e).__name__}: {e}") from e
+    return Programmable(score_mod, mask_mod, bm, attn_bias, captured)

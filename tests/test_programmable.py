@@ -1,0 +1,293 @@
+"""Programmable attention (issue [15]): score_mod, mask_mod, block masks and attn_bias on the CPU backends.
+
+The oracle here is written independently of flashport.programmable: it loops over (b, h), builds the full
+index grid with meshgrid and applies each mod to scalars-as-tensors, so a broadcasting mistake in the
+library shows up as a mismatch.  Blockwise is held to the tolerance rule against the float64 reference, with
+tiles small enough that every call crosses several of them."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import flashport
+from flashport import mods
+from flashport.backend import blockwise as bw
+from flashport.backend.reference import materialized_attention
+from flashport.block_mask import EMPTY, FULL, PARTIAL
+from flashport.check import magnitude, rule_error
+from flashport.programmable import build
+
+S, B, HQ, HKV, D = 37, 2, 4, 2, 16
+
+
+@pytest.fixture
+def small_tiles(monkeypatch):
+    monkeypatch.setattr(bw, "BLOCK_M", 8)
+    monkeypatch.setattr(bw, "BLOCK_N", 16)
+
+
+def _inputs(dtype=torch.float64, sq=S, sk=S, seed=0, hkv=HKV):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, sq, HQ, D, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(B, sk, hkv, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(B, sk, hkv, D, generator=g).to(dtype).requires_grad_()
+    do = torch.randn(B, sq, HQ, D, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def _oracle(q, k, v, score_mod=None, mask_mod=None, bias=None, causal=False):
+    """Per (b, h): s = scale q.k, score_mod on the meshgrid, + bias, mask, softmax; empty rows give zeros."""
+    sq, sk, hq, hkv = q.shape[1], k.shape[1], q.shape[2], k.shape[2]
+    outs = torch.zeros(q.shape[0], sq, hq, v.shape[-1], dtype=torch.float64)
+    lses = torch.full((q.shape[0], hq, sq), float("-inf"), dtype=torch.float64)
+    outs, lses = outs.clone(), lses.clone()
+    out_rows, lse_rows = [], []
+    for b in range(q.shape[0]):
+        ob, lb = [], []
+        for h in range(hq):
+            kv = h // (hq // hkv)
+            s = (q[b, :, h].double() @ k[b, :, kv].double().T) / q.shape[-1] ** 0.5
+            i, j = torch.meshgrid(torch.arange(sq), torch.arange(sk), indexing="ij")
+            bt, ht = torch.tensor(b), torch.tensor(h)
+            if score_mod is not None:
+                s = score_mod(s, bt, ht, i, j).double()
+            if bias is not None:
+                s = s + bias.double().expand(q.shape[0], hq, sq, sk)[b, h]
+            vis = torch.ones(sq, sk, dtype=torch.bool)
+            if causal:
+                vis &= j <= i + (sk - sq)
+            if mask_mod is not None:
+                vis &= mask_mod(bt, ht, i, j)
+            s = s.masked_fill(~vis, float("-inf"))
+            lse = torch.logsumexp(s, -1)
+            p = torch.where(vis, torch.exp(s - lse[:, None].clamp_min(-1e300)), torch.zeros_like(s))
+            ob.append(p @ v[b, :, kv].double())
+            lb.append(lse)
+        out_rows.append(torch.stack(ob, 1))
+        lse_rows.append(torch.stack(lb, 0))
+    return torch.stack(out_rows), torch.stack(lse_rows)
+
+
+def _grads(out, lse, do, tensors):
+    loss = (out.double() * do.double()).sum() + torch.where(torch.isfinite(lse), lse, torch.zeros_like(lse)).sum()
+    return torch.autograd.grad(loss, tensors, allow_unused=True, materialize_grads=True)
+
+
+TABLE = torch.randn(HQ, 9, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+DOCS = torch.tensor([0] * 10 + [1] * 3 + [2] * 24)
+CASES = {
+    "alibi-score": dict(score_mod=mods.alibi(torch.tensor([0.5, 0.25, 0.125, 0.0625], dtype=torch.float64))),
+    "softcap-score": dict(score_mod=mods.tanh_softcap(2.0)),
+    "document-mask": dict(mask_mod=mods.document(DOCS)),
+    "prefix-lm": dict(mask_mod=mods.prefix_lm(11)),
+    "window-sinks": dict(mask_mod=mods.sliding_window(6, sinks=3)),
+    "block-sparse": dict(mask_mod=mods.block_sparse(5, 5, block_size=8, density=0.4)),
+    "rel-table+causal": dict(score_mod=mods.relative_position(TABLE), causal=True),
+    "bias+mask": dict(bias=torch.randn(1, HQ, 1, S, dtype=torch.float64), mask_mod=mods.causal),
+    "empty-rows": dict(mask_mod=lambda b, h, i, j: (i >= 20) & (j <= i)),   # rows 0..19 see nothing
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_reference_equals_the_independent_oracle(name):
+    c = dict(CASES[name])
+    bias = c.pop("bias", None)
+    q, k, v, do = _inputs()
+    out, lse = flashport.attention(q, k, v, backend="reference", return_lse=True, attn_bias=bias, **c)
+    ref_out, ref_lse = _oracle(q, k, v, bias=bias, **c)
+    torch.testing.assert_close(out, ref_out, rtol=0, atol=1e-12)
+    torch.testing.assert_close(lse.double(), ref_lse.float().double(), rtol=0, atol=1e-5)
+    g = _grads(out, lse, do, (q, k, v))
+    gr = _grads(ref_out, ref_lse, do, (q, k, v))
+    for a, b in zip(g, gr):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("name", list(CASES))
+def test_blockwise_within_the_tolerance_rule(name, dtype, small_tiles):
+    c = dict(CASES[name])
+    bias = c.pop("bias", None)
+    q, k, v, do = _inputs(dtype)
+    out, lse = flashport.attention(q, k, v, backend="blockwise", return_lse=True, attn_bias=bias, **c)
+    assert torch.isfinite(out).all()
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = flashport.attention(q64, k64, v64, backend="reference", return_lse=True, attn_bias=bias, **c)
+    assert torch.equal(torch.isinf(lse), torch.isinf(ref_lse))        # the same rows see nothing
+    spec_kw = dict(scale=D ** -0.5, left=-1, right=0 if c.get("causal") else -1)
+    prog = build(c.get("score_mod"), c.get("mask_mod"), None, bias, batch=B, heads_q=HQ, sq=S, sk=S, device="cpu")
+    lowp, _ = materialized_attention(q, k, v, compute_dtype=dtype, prog=prog, **spec_kw)
+    err, bound = rule_error(out, ref, lowp, dtype, 2.0)
+    assert err <= bound, (err, bound)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    want = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    math = torch.autograd.grad(lowp, (q, k, v), do)
+    mag = magnitude(q, k, v, do)
+    for n, a, b, m in zip("qkv", got, want, math):
+        assert torch.isfinite(a).all(), n
+        err, bound = rule_error(a, b, m, dtype, 3.0, mag)
+        assert err <= bound, (n, err, bound)
+
+
+def test_rows_with_no_visible_key_give_zeros_and_zero_gradients(small_tiles):
+    q, k, v, do = _inputs(torch.float32)
+    mask = CASES["empty-rows"]["mask_mod"]
+    table = torch.zeros(HQ, 9, requires_grad=True)
+    for be in ("reference", "blockwise"):
+        out, lse = flashport.attention(q, k, v, backend=be, return_lse=True, mask_mod=mask,
+                                       score_mod=mods.relative_position(table))
+        assert (out[:, :20] == 0).all() and torch.isneginf(lse[:, :, :20]).all()
+        dq, dk, dv, dt = torch.autograd.grad(out, (q, k, v, table), do)
+        assert (dq[:, :20] == 0).all() and torch.isfinite(dq).all() and torch.isfinite(dt).all()
+
+
+@pytest.mark.parametrize("backend", ["reference", "blockwise"])
+def test_captured_table_and_bias_receive_their_gradients(backend, small_tiles):
+    q, k, v, do = _inputs()
+    table = TABLE.clone().requires_grad_()
+    bias = torch.randn(HQ, 1, S, dtype=torch.float64, requires_grad=True)       # broadcast over B and rows
+    out = flashport.attention(q, k, v, backend=backend, causal=True, score_mod=mods.relative_position(table),
+                              attn_bias=bias)
+    g = torch.autograd.grad(out, (q, k, v, table, bias), do)
+    ref_out, _ = _oracle(q, k, v, score_mod=mods.relative_position(table), bias=bias, causal=True)
+    want = torch.autograd.grad(ref_out, (q, k, v, table, bias), do)
+    assert g[4].shape == bias.shape
+    for a, b in zip(g, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+class _RelBias(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.param = torch.nn.Parameter(torch.randn(HQ, 9, dtype=torch.float64))
+
+    def forward(self, score, b, h, q_idx, kv_idx):
+        return score + self.param[h, (q_idx - kv_idx).clamp(-4, 4) + 4]
+
+
+@pytest.mark.parametrize("backend", ["reference", "blockwise"])
+def test_captures_found_through_modules_and_non_leaf_tensors(backend, small_tiles):
+    q, k, v, do = _inputs()
+    mod = _RelBias()
+    param = torch.randn(HQ, 9, dtype=torch.float64, requires_grad=True)
+    table = param * 2.0                      # not a leaf: its gradient must flow on into `param`
+    for score_mod, leaf in ((mod, mod.param), (mods.relative_position(table), param)):
+        out = flashport.attention(q, k, v, backend=backend, score_mod=score_mod)
+        (got,) = torch.autograd.grad(out, (leaf,), do, retain_graph=True)
+        ref_out, _ = _oracle(q, k, v, score_mod=score_mod)
+        (want,) = torch.autograd.grad(ref_out, (leaf,), do, retain_graph=True)
+        torch.testing.assert_close(got, want, rtol=1e-9, atol=1e-9)
+
+
+def test_plain_causal_mask_mod_equals_causal_true(small_tiles):
+    q, k, v, _ = _inputs(torch.float32)
+    a = flashport.attention(q, k, v, backend="blockwise", mask_mod=mods.causal)
+    b = flashport.attention(q, k, v, backend="blockwise", causal=True)
+    torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_ready_made_mods_equal_the_built_in_features(small_tiles):
+    q, k, v, _ = _inputs(torch.float64)
+    slopes = torch.tensor([0.5, 0.25, 0.125, 0.0625])
+    pairs = [
+        (dict(score_mod=mods.alibi(slopes)), dict(alibi_slopes=slopes)),
+        (dict(score_mod=mods.tanh_softcap(3.0)), dict(softcap=3.0)),
+        (dict(mask_mod=mods.sliding_window(5)), dict(window_size=(5, 0))),
+    ]
+    for mod_kw, builtin_kw in pairs:
+        a = flashport.attention(q, k, v, backend="blockwise", **mod_kw)
+        b = flashport.attention(q, k, v, backend="blockwise", **builtin_kw)
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-10)
+
+
+def test_document_mask_equals_varlen():
+    q, k, v, _ = _inputs(torch.float64)
+    out = flashport.attention(q[:1], k[:1], v[:1], backend="reference", mask_mod=mods.document(DOCS))
+    cu = torch.tensor([0, 10, 13, 37], dtype=torch.int32)
+    ref = flashport.attention_varlen(q[0], k[0], v[0], cu, cu, 24, 24, causal=True, backend="reference")
+    torch.testing.assert_close(out[0], ref, rtol=1e-12, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- block masks
+def test_create_block_mask_classifies_every_tile():
+    mask = mods.sliding_window(20, sinks=4)
+    bm = flashport.create_block_mask(mask, None, None, 100, 90, block_size=16)
+    assert bm.shape == (1, 1, 7, 6)
+    i, j = torch.meshgrid(torch.arange(100), torch.arange(90), indexing="ij")
+    dense = mask(torch.tensor(0), torch.tensor(0), i, j)
+    for t in range(7):
+        for c in range(6):
+            tile = dense[t * 16:(t + 1) * 16, c * 16:(c + 1) * 16]
+            want = FULL if tile.all() else PARTIAL if tile.any() else EMPTY
+            assert bm.state[0, 0, t, c] == want, (t, c)
+    assert 0 < bm.sparsity() < 1
+
+
+def test_block_mask_per_head_and_batch():
+    def mask(b, h, i, j):
+        return (j <= i) & ((h + b) % 2 == 0)       # odd (b + h) sees nothing
+    bm = flashport.create_block_mask(mask, 2, HQ, S, S, block_size=8)
+    assert bm.shape == (2, HQ, 5, 5)
+    assert (bm.state[0, 1] == EMPTY).all() and (bm.state[0, 0] != EMPTY).any()
+    q, k, v, _ = _inputs()
+    out = flashport.attention(q, k, v, backend="blockwise", block_mask=bm)
+    ref, _ = _oracle(q, k, v, mask_mod=mask)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    assert (out[0, :, 1] == 0).all()
+
+
+def test_empty_tiles_are_never_evaluated():
+    seen = []
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        seen.append(int((kv_idx - q_idx).max()))
+        return score
+
+    bm = flashport.create_block_mask(mods.causal, None, None, 64, 64, block_size=16)
+    q, k, v, do = _inputs(sq=64, sk=64)
+    out = flashport.attention(q, k, v, backend="blockwise", score_mod=score_mod, block_mask=bm)
+    out.backward(do)
+    # the probe call sees 0; a tile above the diagonal's tiles would reach kv - q >= 16 + 1
+    assert seen and max(seen) <= 15
+
+
+def test_torch_block_mask_is_accepted():
+    flex = pytest.importorskip("torch.nn.attention.flex_attention")
+    tbm = flex.create_block_mask(lambda b, h, i, j: i >= j, None, None, 64, 64, device="cpu", BLOCK_SIZE=16,
+                                 _compile=False)
+    q, k, v, _ = _inputs(sq=64, sk=64)
+    out = flashport.attention(q, k, v, backend="blockwise", block_mask=tbm)
+    ref = flashport.attention(q, k, v, backend="reference", causal=True)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+
+
+# ----------------------------------------------------------------------------- selection and bad input
+def test_auto_serves_mods_with_a_backend_that_declares_them():
+    q, k, v, _ = _inputs(torch.float32)
+    flashport.reset_stats()
+    flashport.attention(q, k, v, score_mod=mods.tanh_softcap(5.0))
+    used = [n for n, s in flashport.stats().items() if s["calls"]]
+    assert used == ["blockwise"]
+
+
+def test_a_backend_without_mods_refuses_with_the_reason():
+    q, k, v, _ = _inputs(torch.float32)
+    with pytest.raises(flashport.UnsupportedError, match="score_mod"):
+        flashport.attention(q, k, v, score_mod=mods.tanh_softcap(5.0), backend="sdpa-cpu")
+
+
+def test_bad_programmable_input_names_the_argument():
+    q, k, v, _ = _inputs(torch.float32)
+    with pytest.raises(ValueError, match="attn_bias"):
+        flashport.attention(q, k, v, attn_bias=torch.zeros(3, S, S))
+    with pytest.raises(TypeError, match="attn_bias"):
+        flashport.attention(q, k, v, attn_bias=torch.zeros(S, S, dtype=torch.int32))
+    with pytest.raises(TypeError, match="score_mod"):
+        flashport.attention(q, k, v, score_mod=3)
+    with pytest.raises(ValueError, match="block_mask"):
+        flashport.attention(q, k, v, block_mask=flashport.create_block_mask(mods.causal, None, None, 16, 16))
+    bm = flashport.create_block_mask(mods.causal, None, None, S, S)
+    with pytest.raises(ValueError, match="mask_mod"):
+        flashport.attention(q, k, v, block_mask=bm, mask_mod=mods.prefix_lm(3))
+    with pytest.raises(TypeError, match="block_mask"):
+        flashport.attention(q, k, v, block_mask="causal")
