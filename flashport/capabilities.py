@@ -96,7 +96,7 @@ def reasons(caps: Capabilities, spec, role: str) -> list[str]:
         r.append("return_lse (lse not exposed)")
     if role == "bwd" and spec.deterministic and not caps.deterministic:
         r.append("deterministic=True backward (not bitwise reproducible)")
-    for f in spec.mods:
+    for f in getattr(spec, "mods", ()):   # JAX specs have no programmable part
         if f not in caps.mods:
             r.append(f"{f} (not compiled by this backend yet)" if f in ("score_mod", "mask_mod") else f)
     if spec.heads_q != spec.heads_kv and not caps.gqa:

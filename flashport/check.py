@@ -79,7 +79,7 @@ def exponent_noise(scale: float, head_dim: int, lse: torch.Tensor, q: torch.Tens
 
 
 def flash_extras(ref_out, ref_lse, leaves64, do, dtype, scale: float, dropout_p: float = 0.0,
-                 ref_grads=None) -> dict:
+                 ref_grads=None, more=()) -> dict:
     """The `extra` of `rule_error` per quantity: rounding every FlashAttention implementation has and the
     materialising math path does not (both are exact zero-error structures there when a row sees one key).
 
@@ -92,7 +92,9 @@ def flash_extras(ref_out, ref_lse, leaves64, do, dtype, scale: float, dropout_p:
     dv:        delta x max (P^T |dO|): each P = exp(s - lse) recomputed with relative error delta.
     ref_out / ref_lse: the float64 reference's outputs, still attached to leaves64 = (q, k, v) (float64,
     requires_grad; the graph is used, not freed, so call this before a last backward without retain_graph);
-    ref_grads: the float64 dq, dk, dv, when gradients are checked."""
+    ref_grads: the float64 dq, dk, dv, when gradients are checked (then followed by those of `more`).
+    more: further leaves of the reference's graph (attn_bias, a score_mod's captured table), whose gradients
+    take Delta's error the way dq and dk do: extras["more"] lists their terms in order."""
     q, k, v = leaves64
     delta = exponent_noise(scale, q.shape[-1], ref_lse, q, k)
     extras = {"out": delta * magnitude(v) / (1.0 - dropout_p), "lse": delta}
@@ -101,12 +103,14 @@ def flash_extras(ref_out, ref_lse, leaves64, do, dtype, scale: float, dropout_p:
     prod = do.detach().double() * ref_out.detach().double()             # [..., S, Hq, Dv] like out
     err = (0.5 * torch.finfo(dtype).eps * prod.pow(2).sum(-1).sqrt() + COMPUTE_EPS * prod.abs().sum(-1)).movedim(-1, -2)
     err = torch.where(torch.isfinite(ref_lse.detach()), err.to(ref_lse.dtype), torch.zeros_like(ref_lse))
-    gq, gk = torch.autograd.grad(ref_lse, (q, k), err, retain_graph=True, allow_unused=True)
+    gq, gk, *gm = torch.autograd.grad(ref_lse, (q, k, *more), err, retain_graph=True, allow_unused=True)
     (pv,) = torch.autograd.grad(ref_out, (v,), do.detach().to(ref_out.dtype).abs(), retain_graph=True,
                                 allow_unused=True)
     for name, g, g_ref in (("dq", gq, ref_grads[0]), ("dk", gk, ref_grads[1])):
         extras[name] = magnitude(*([g] if g is not None else [])) + delta * magnitude(g_ref)
     extras["dv"] = delta * magnitude(*([pv] if pv is not None else []))
+    extras["more"] = [magnitude(*([g] if g is not None else [])) + delta * magnitude(g_ref)
+                      for g, g_ref in zip(gm, ref_grads[3:])]
     return extras
 
 
