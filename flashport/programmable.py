@@ -92,7 +92,9 @@ class Programmable:
     def scores(self, s: torch.Tensor, b, h, i, j) -> torch.Tensor:
         """score_mod, then + attn_bias, on scores `s` whose entries sit at the broadcast (b, h, i, j)."""
         if self.score_mod is not None:
-            s = torch.broadcast_to(self.score_mod(s, b, h, i, j), s.shape).to(s.dtype)
+            r = self.score_mod(s, b, h, i, j)
+            # broadcast only when the mod did not touch every index (a no-op expand trips Flex's lowering)
+            s = (r if r.shape == s.shape else torch.broadcast_to(r, s.shape)).to(s.dtype)
         if self.attn_bias is not None:
             bias = self.attn_bias
             bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))

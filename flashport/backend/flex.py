@@ -1,0 +1,170 @@
+"""Backend `flex`: PyTorch's FlexAttention (compiled `flex_attention`) for programmable calls on CUDA.
+
+Equivalent math (layout [B, Sq, Hq, D] in, [B, Sq, Hq, Dv] out):
+    out, lse = flex_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=softmax_scale,
+                              score_mod=<softcap, ALiBi, the user's score_mod, + attn_bias>,
+                              block_mask=<the built-in rule AND mask_mod AND the user's block mask>,
+                              enable_gqa=Hq != Hkv, return_lse=True)
+
+The whole score pipeline of flashport.programmable becomes one Flex score_mod, and the visibility (causal or
+window with bottom-right alignment, mask_mod, the user's non-empty tiles) one mask_mod, whose block mask
+flashport.create_block_mask builds in bounded memory and which is cached per (mods, shape): built once, reused
+across calls and layers, as Flex expects.  Lengths enter the mods as 0-d tensors, never as Python ints, so
+that a new sequence length does not recompile (`torch.compile(flex_attention, dynamic=True)`, one compiled
+function).  Gradients, including those of attn_bias and of tensors a score_mod captures, come from Flex's own
+autograd ("own" state: forward and backward run together).
+
+Why CUDA only: on a CPU, compiled Flex serves inference only and no lse (torch 2.13), and eager Flex
+materialises the scores, the silent O(S^2) fallback flashport never takes.  Programmable calls on a CPU go to
+`blockwise`.
+"""
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import torch
+
+from .. import dispatch
+from ..block_mask import create_block_mask
+from ..capabilities import Capabilities
+from ..programmable import FEATURES
+from ..spec import AttnInputs, AttnSpec
+
+BLOCK = 128                 # Flex's default tile: the block mask's granularity
+_BLOCK_MASKS: OrderedDict = OrderedDict()
+BLOCK_MASK_CACHE = 16       # block masks kept (each holds its mods alive); the oldest goes first
+_compiled = []
+
+
+def _lse_request() -> dict:
+    # torch >= 2.9 asks for the lse through return_aux (return_lse is deprecated there)
+    try:
+        from torch.nn.attention.flex_attention import AuxRequest
+        return {"return_aux": AuxRequest(lse=True)}
+    except ImportError:
+        return {"return_lse": True}
+
+
+def _flex():
+    """The compiled flex_attention (imported on first use: it pulls in torch._dynamo, seconds of import)."""
+    if not _compiled:
+        from torch.nn.attention.flex_attention import flex_attention
+        _compiled.append(torch.compile(flex_attention, dynamic=True))
+    return _compiled[0]
+
+
+def _score_mod(spec: AttnSpec, inputs: AttnInputs, diag: torch.Tensor):
+    """softcap -> ALiBi -> score_mod -> + attn_bias as one Flex score_mod (None when the scores stay plain).
+    It closes over functions, tensors and the softcap constant only, never over per-call Python objects:
+    Dynamo guards a closure by its code and the cells' contents, so each call's fresh closure reuses the
+    compiled kernel."""
+    prog, cap = inputs.prog, spec.softcap
+    user = None if prog is None else prog.score_mod
+    bias = None if prog is None else prog.attn_bias
+    slopes = inputs.alibi_slopes
+    if slopes is not None and slopes.dim() == 1:
+        slopes = slopes.expand(spec.batch, spec.heads_q)
+    if bias is not None:
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(
+            spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
+    if cap == 0 and slopes is None and user is None and bias is None:
+        return None
+
+    def score_mod(score, b, h, q_idx, kv_idx):
+        if cap > 0:
+            score = cap * torch.tanh(score / cap)
+        if slopes is not None:
+            score = score - slopes[b, h] * (q_idx + diag - kv_idx).abs()
+        if user is not None:
+            score = user(score, b, h, q_idx, kv_idx).to(score.dtype)
+        if bias is not None:
+            score = score + bias[b, h, q_idx, kv_idx].to(score.dtype)
+        return score
+    return score_mod
+
+
+def _block_mask(spec: AttnSpec, inputs: AttnInputs, diag: torch.Tensor):
+    """The Flex BlockMask of the call's visibility, built by flashport.create_block_mask and cached."""
+    prog = inputs.prog
+    user_mask = None if prog is None else prog.mask_mod
+    user_blocks = None if prog is None else prog.block_mask
+    left, right = spec.window_left, spec.window_right
+    per_b = user_blocks is not None and user_blocks.shape[0] > 1
+    per_h = user_blocks is not None and user_blocks.shape[1] > 1
+    key = (id(user_mask), id(user_blocks), spec.batch if per_b else None, spec.heads_q if per_h else None,
+           spec.seqlen_q, spec.seqlen_k, left, right, str(spec.device))
+    hit = _BLOCK_MASKS.get(key)
+    if hit is not None:
+        _BLOCK_MASKS.move_to_end(key)
+        return hit[0]
+
+    tiles = None if user_blocks is None else user_blocks.state
+    qb, kb = (1, 1) if user_blocks is None else user_blocks.block_size
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        ok = kv_idx >= 0 if left < 0 else kv_idx >= q_idx + diag - left
+        if right >= 0:
+            ok = ok & (kv_idx <= q_idx + diag + right)
+        if tiles is not None:
+            ok = ok & (tiles[b if per_b else 0, h if per_h else 0, q_idx // qb, kv_idx // kb] != 0)
+        if user_mask is not None:
+            ok = ok & user_mask(b, h, q_idx, kv_idx)
+        return ok
+
+    from torch.nn.attention.flex_attention import BlockMask
+    ours = create_block_mask(mask_mod, spec.batch if per_b else None, spec.heads_q if per_h else None,
+                             spec.seqlen_q, spec.seqlen_k, device=spec.device, block_size=BLOCK)
+    partial, full = ours.state == 1, ours.state == 2
+
+    def listed(sel):
+        num = sel.sum(-1, dtype=torch.int32)
+        # the listed tile columns first, in order (a stable sort of "not listed")
+        idx = torch.sort((~sel).to(torch.int8), dim=-1, stable=True).indices.to(torch.int32)
+        return num, idx
+
+    kv_num, kv_idx = listed(partial)
+    full_num, full_idx = listed(full)
+    flex_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(BLOCK, BLOCK),
+                                         mask_mod=mask_mod, seq_lengths=(spec.seqlen_q, spec.seqlen_k))
+    _BLOCK_MASKS[key] = (flex_mask, user_mask, user_blocks)   # the ids in the key stay those objects' ids
+    while len(_BLOCK_MASKS) > BLOCK_MASK_CACHE:
+        _BLOCK_MASKS.popitem(last=False)
+    return flex_mask
+
+
+class FlexBackend(dispatch.Backend):
+    """PyTorch's compiled FlexAttention on CUDA for dense calls, programmable ones above all (score_mod,
+    mask_mod, block masks, attn_bias with its gradient), plus softcap, ALiBi, windows and GQA.  Forward and
+    backward run together in Flex's own autograd."""
+
+    name = "flex"
+    auto_devices = ("cuda",)
+    caps = Capabilities(devices=("cuda",), dtypes=("float16", "bfloat16", "float32"),
+                        head_dims=(16, 32, 64, 128, 256), kinds=("dense",), paged_kvcache=False, dropout=False,
+                        deterministic=False, min_capability=(8, 0), saved_state="own", mods=FEATURES,
+                        notes=("compiled once with dynamic shapes; the block mask of each (mods, shape) is built "
+                               "once and cached",))
+
+    def availability(self) -> list[str]:
+        import importlib.util
+        if importlib.util.find_spec("torch.nn.attention.flex_attention") is None:   # not imported: dynamo is slow
+            return [f"torch {torch.__version__} has no torch.nn.attention.flex_attention"]
+        if not torch.cuda.is_available():
+            return ["no CUDA device (compiled Flex on a CPU serves inference without lse only)"]
+        return []
+
+    def own_reasons(self, spec: AttnSpec, role: str) -> list[str]:
+        r = []
+        if spec.seqlen_q == 0 or spec.seqlen_k == 0 or spec.batch == 0:
+            r.append("empty call (zero length or batch)")
+        if spec.softmax_scale <= 0:
+            r.append("softmax_scale <= 0")
+        return r
+
+    def run(self, spec: AttnSpec, inputs: AttnInputs):
+        q, k, v = (t.transpose(1, 2) for t in (inputs.q, inputs.k, inputs.v))      # [B, H, S, D] views
+        diag = torch.tensor(spec.seqlen_k - spec.seqlen_q, device=q.device)
+        out, aux = _flex()(q, k, v, score_mod=_score_mod(spec, inputs, diag),
+                           block_mask=_block_mask(spec, inputs, diag), scale=spec.softmax_scale,
+                           enable_gqa=spec.heads_q != spec.heads_kv, **_lse_request())
+        return out.transpose(1, 2), getattr(aux, "lse", aux)

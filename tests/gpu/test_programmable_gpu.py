@@ -1,0 +1,51 @@
+"""GPU tier of programmable attention (issue [15]), skipped without CUDA: the `flex` backend (compiled
+FlexAttention) and blockwise on CUDA against the float64 reference, gradients of q, k, v, a captured table and
+attn_bias included (Flex has no backward on a CPU, so this is where its gradients are checked); a new sequence
+length does not recompile; auto picks flex for mods."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+import flashport  # noqa: E402
+from flashport.fuzz import mods as fuzz_mods  # noqa: E402
+
+N = int(os.environ.get("FLASHPORT_MODS_FUZZ_N", "300"))
+
+
+@pytest.mark.parametrize("backend", ["flex", "blockwise"])
+def test_mods_fuzz_on_cuda(backend):
+    results = [fuzz_mods.run(fuzz_mods.draw(20261206, i), backend, "cuda") for i in range(N)]
+    fails = [(i, r["problems"]) for i, r in enumerate(results) if r["status"] == "FAIL"]
+    passed = sum(r["status"] == "PASS" for r in results)
+    print(f"{backend}: {passed} PASS, {len(fails)} FAIL, {N - passed - len(fails)} SKIP")
+    assert not fails, fails[:5]
+    assert passed >= N // 2
+
+
+def test_flex_does_not_recompile_for_new_lengths():
+    from torch._dynamo.utils import counters
+    from flashport import mods
+    table = torch.randn(8, 33, device="cuda", requires_grad=True)
+    def step(s):
+        q, k, v = (torch.randn(2, s, 8, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+        out = flashport.attention(q, k, v, backend="flex", causal=True, score_mod=mods.relative_position(table))
+        out.float().sum().backward()
+    step(256)
+    before = counters["stats"]["unique_graphs"]
+    for s in (384, 512, 1000):
+        step(s)
+    assert counters["stats"]["unique_graphs"] == before
+
+
+def test_auto_takes_flex_for_mods_on_cuda():
+    from flashport import mods
+    q = torch.randn(1, 512, 4, 64, device="cuda", dtype=torch.bfloat16)
+    flashport.reset_stats()
+    flashport.attention(q, q, q, mask_mod=mods.sliding_window(64))
+    used = [n for n, s in flashport.stats().items() if s["calls"]]
+    assert used == ["flex"]
