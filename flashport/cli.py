@@ -21,6 +21,8 @@ def info_dict() -> dict:
         d["triton"] = triton.__version__
     except ImportError:
         d["triton"] = None
+    from .backend import fa4
+    d["flash-attn-4"] = fa4.version()   # from its metadata; flash_attn.cute is not imported
     if torch.cuda.is_available():
         d["device"] = "cuda"
         d["gpus"] = []
@@ -49,7 +51,8 @@ def cmd_info(args) -> int:
     if args.json:
         print(json.dumps(d, indent=1, default=str))
         return 0
-    print(f"flashport {d['flashport']}  python {d['python']}  torch {d['torch']}  triton {d['triton'] or 'not installed'}")
+    print(f"flashport {d['flashport']}  python {d['python']}  torch {d['torch']}  triton {d['triton'] or 'not installed'}"
+          f"  flash-attn-4 {d['flash-attn-4'] or 'not installed'}")
     print(f"platform  {d['platform']}  ({d['cpu']}, {d['cpu_count']} cores)")
     if d["device"] == "cuda":
         print(f"device    cuda {d['cuda']}")

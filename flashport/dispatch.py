@@ -7,8 +7,9 @@ Gluon forward with the Triton backward; a backend that needs its own forward sta
 is chosen as a pair.  A name is strict: "triton" (both directions) or "gluon/triton" (forward /
 backward) serves the call or `UnsupportedError` says why.  Auto takes the fastest measured plan
 from the selection table (flashport/table.py) where a bucket fits, and the static priority
-(registration order, each backend's preferences) elsewhere; only exact backends take part, and
-`reference` is never chosen automatically.  Selection happens in Python, outside compiled graphs,
+(registration order, each backend's preferences) elsewhere; only exact backends take part,
+`reference` is never chosen automatically, and a `measured_only` backend (an optional peer such as
+`fa4`) only where the table measured it.  Selection happens in Python, outside compiled graphs,
 and is memoised per call description.
 """
 from __future__ import annotations
@@ -70,6 +71,7 @@ class Backend:
     auto: bool = True            # may auto-selection pick it?
     auto_devices: tuple = ()     # device types auto-selection may pick it on; () = every device
     slow_on_gpu: bool = False    # materialises scores or runs at PyTorch-op speed on a GPU
+    measured_only: bool = False  # auto takes it only where the selection table measured it, never by static priority
     state_family: str = ""       # backends sharing private forward state (e.g. lse in log2 units)
 
     @property
@@ -349,19 +351,26 @@ def _lse_plans(spec: AttnSpec, plans: list[Plan], state: str) -> list[Plan]:
     return lse or plans
 
 
+def _static(plans: list[Plan]) -> Plan | None:
+    """The first plan static priority may take: none that uses a `measured_only` backend."""
+    return next((p for p in plans if not (p.fwd.measured_only or p.bwd.measured_only)), None)
+
+
 def _auto(spec: AttnSpec, state: str = "any") -> tuple[Plan, bool]:
     tried: list = []
     plans = _lse_plans(spec, options(spec, tried, state=state), state)
-    if not plans:
-        raise UnsupportedError("no backend can serve this call:\n" + "\n".join(tried))
     from . import table
-    plan = table.best(spec, plans)
+    plan = table.best(spec, plans) if plans else None
     how = "from the selection table" if plan is not None else "by static priority"
-    plan = plan or plans[0]
+    plan = plan or _static(plans)
+    if plan is None:
+        tried += [f"  - {b.name}: chosen automatically only where the selection table measured it (name it to use it)"
+                  for b in dict.fromkeys(b for p in plans for b in (p.fwd, p.bwd)) if b.measured_only]
+        raise UnsupportedError("no backend can serve this call:\n" + "\n".join(tried))
     fallback = False
     if rollout._quarantined:
         every = _lse_plans(spec, options(spec, [], quarantine=False, state=state), state)
-        first = table.best(spec, every) or every[0]
+        first = table.best(spec, every) or _static(every) or plan
         fallback = first.name != plan.name
     if log.isEnabledFor(logging.DEBUG):
         log.debug("flashport: %s chosen automatically (%s%s) for %s; candidates %s; not eligible:\n%s", plan.name,

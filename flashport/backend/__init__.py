@@ -1,15 +1,18 @@
 """Built-in backends, registered in static-priority order (the order auto-selection tries where no measured
 table fits): gluon, triton, sdpa-cudnn, sdpa-flash, sdpa-efficient, sdpa-cpu (CPU only), blockwise; then sdpa
-and reference, which are never chosen automatically."""
+and reference, which are never chosen automatically.  fa4 (FlashAttention-4, optional) comes after the SDPA
+backends and is chosen automatically only where the selection table measured it (measured_only), never by this
+order; flash_attn is imported only when its availability is asked on a machine with an sm_90+ card."""
 from .. import dispatch
 from .blockwise import BlockwiseBackend
+from .fa4 import Fa4Backend
 from .gluon import GluonBackend
 from .reference import ReferenceBackend
 from .sdpa import SDPA_KERNELS, SdpaBackend
 from .sdpa_cpu import SdpaCpuBackend
 from .triton import TritonBackend
 
-for _backend in [GluonBackend(), TritonBackend(), *SDPA_KERNELS, SdpaBackend(), SdpaCpuBackend(),
+for _backend in [GluonBackend(), TritonBackend(), *SDPA_KERNELS, SdpaBackend(), SdpaCpuBackend(), Fa4Backend(),
                  BlockwiseBackend(),
                  ReferenceBackend()]:
     dispatch.register(_backend)
