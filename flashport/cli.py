@@ -43,7 +43,53 @@ def info_dict() -> dict:
     d["sdpa_hook"] = sdpa.status()
     d["backends"] = [{"name": b.name, "available": b.available, "reasons": b.reasons,
                       "capabilities": b.capabilities} for b in flashport.backends()]
+    d["jax"] = jax_info()
     return d
+
+
+# ----------------------------------------------------------------------------- the JAX frontend
+JAX_MISSING = "JAX: not installed (pip install flashport[jax])"
+
+
+def import_jax_frontend():
+    """flashport.jax, or None when jax is not installed.  XLA must not preallocate the GPU's memory: the torch
+    frontend shares the card in the same process (bench), and `info` / `check` should not hold it either."""
+    import importlib.util
+    if importlib.util.find_spec("jax") is None:
+        return None
+    os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
+    import flashport.jax as fj
+    return fj
+
+
+def jax_info() -> dict:
+    """For `info`: jax's versions, platform and devices, and every JAX backend (name, available, reasons,
+    auto platforms, capabilities); {"installed": False} without jax."""
+    try:
+        fj = import_jax_frontend()
+    except Exception as e:  # noqa: BLE001 - a broken jax install is reported, not a traceback
+        return {"installed": True, "error": f"{type(e).__name__}: {e}".splitlines()[0][:300]}
+    if fj is None:
+        return {"installed": False, "hint": "pip install flashport[jax]"}
+    return {"installed": True, **fj.environment(), "backends": fj.describe()}
+
+
+def print_jax_info(j: dict) -> None:
+    if not j.get("installed"):
+        print(JAX_MISSING)
+        return
+    if "error" in j:
+        print(f"JAX: installed but flashport.jax failed to import: {j['error']}")
+        return
+    print(f"JAX: jax {j['jax']} (jaxlib {j['jaxlib']}), platform {j['platform']}, devices {', '.join(j['devices'])}")
+    print("JAX backends (flashport.jax, auto order):")
+    for b in j["backends"]:
+        state = "available" if b["available"] else "unavailable: " + "; ".join(b["reasons"])
+        auto = "auto on " + "/".join(b["auto_platforms"] or ["any"]) if b["auto"] else "named only"
+        print(f"  {b['name']:<17} {state} ({auto})")
+        caps = ", ".join(f"{k}={v}" for k, v in b["capabilities"].items() if k != "auto_platforms")
+        if caps:
+            print(f"  {'':<17} {caps}")
 
 
 def cmd_info(args) -> int:
@@ -84,6 +130,7 @@ def cmd_info(args) -> int:
         caps = ", ".join(f"{k}={v}" for k, v in b["capabilities"].items())
         if caps:
             print(f"  {'':<10} {caps}")
+    print_jax_info(d["jax"])
     return 0
 
 
@@ -130,6 +177,28 @@ def check_device(p: argparse.ArgumentParser, text: str | None) -> None:
         p.error(f"--device: {text!r} is not available; valid: {valid}")
 
 
+def check_jax_args(p: argparse.ArgumentParser, args) -> None:
+    """check --frontend jax: JAX backend names, dtypes JAX computes in by default; no --device / --fuzz (JAX runs
+    on its default platform: choose it with JAX_PLATFORMS=cpu|cuda|tpu)."""
+    if args.fuzz is not None or args.log is not None:
+        p.error("--fuzz / --log apply to the torch frontend")
+    if args.device is not None:
+        p.error("--device does not apply to --frontend jax (JAX runs on its default platform; set JAX_PLATFORMS)")
+    args.dtypes = parse_dtypes(p, args.dtype)
+    if args.dtypes and any(str(d).endswith("float64") for d in args.dtypes):
+        p.error("--dtype: float64 is not checked with --frontend jax (needs jax_enable_x64)")
+    try:
+        fj = import_jax_frontend()
+    except Exception as e:  # noqa: BLE001
+        p.error(f"--frontend jax: flashport.jax failed to import: {type(e).__name__}: {e}")
+    if fj is None:
+        return      # cmd_check says JAX is not installed
+    from .jax import registry
+    bad = [n for n in args.backend or () if n not in registry.names()]
+    if bad:
+        p.error(f"--backend: unknown JAX backend(s) {', '.join(map(repr, bad))}; valid: {', '.join(registry.names())}")
+
+
 def check_out_dir(p: argparse.ArgumentParser, out: str) -> None:
     """--out must be a directory we can create and write into: probed with a temporary file."""
     import tempfile
@@ -147,6 +216,8 @@ def cmd_check(args) -> int:
     import time
 
     from .check import format_table, run_check
+    if args.frontend == "jax":
+        return check_jax(args)
     if args.fuzz is not None:
         from flashport.fuzz import main as fuzz_main
         return fuzz_main(n=args.fuzz, seed=args.seed, device=args.device, dtypes=args.dtypes,
@@ -154,6 +225,54 @@ def cmd_check(args) -> int:
     t0 = time.perf_counter()
     results = run_check(args.backend or None, args.device, args.dtypes)
     print(format_table(results))
+    counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
+    print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped "
+          f"in {time.perf_counter() - t0:.1f} s")
+    import importlib.util
+    if importlib.util.find_spec("jax") is not None:
+        print("JAX is installed: `flashport check --frontend jax` checks the flashport.jax backends")
+    return 1 if counts["FAIL"] else 0
+
+
+def check_jax(args) -> int:
+    """`check --frontend jax`: the JAX backends against the float64 reference (flashport.jax.check), the table,
+    then one PASS / FAIL / SKIP line per backend (a backend not run says why); exit 1 on any FAIL."""
+    import time
+
+    from .check import format_table
+    fj = import_jax_frontend()
+    if fj is None:
+        print(JAX_MISSING)
+        return 2
+    from .jax import registry
+    t0 = time.perf_counter()
+    platform = fj.environment()["platform"]
+    names = args.backend or [b.name for b in fj.backends_for(platform)]
+    dtypes = [str(d).split(".")[-1] for d in args.dtypes] if args.dtypes else None
+    from .bench import _progress
+    bar, tick = _progress(None, f"flashport.jax check on {platform}")
+    results = fj.check(names, dtypes, progress=lambda r: tick(), match=args.match)
+    if bar is not None:
+        bar.close()
+    print(format_table(results))
+    print(f"\nJAX {fj.environment()['jax']} on {platform}, per backend:")
+    for name in registry.names():
+        rs = [r for r in results if r.backend == name]
+        if rs:
+            c = {s: sum(r.status == s for r in rs) for s in ("PASS", "FAIL", "SKIP")}
+            verdict = "FAIL" if c["FAIL"] else ("PASS" if c["PASS"] else "SKIP")
+            why = "" if c["PASS"] or c["FAIL"] else f" ({next(r.note for r in rs if r.note)})"
+            print(f"  {name:<17} {verdict}: {c['PASS']} passed, {c['FAIL']} failed, {c['SKIP']} skipped{why}")
+            continue
+        b = registry.get(name)
+        why = b.availability()
+        if why:
+            print(f"  {name:<17} not run: unavailable ({'; '.join(why)})")
+        elif b.auto_platforms and platform not in b.auto_platforms:
+            print(f"  {name:<17} not run: a {'/'.join(b.auto_platforms)} backend (name it with --backend {name}"
+                  + (", runs in interpret mode here)" if name.startswith("pallas-tpu") else ")"))
+        else:
+            print(f"  {name:<17} not run (not named)")
     counts = {s: sum(r.status == s for r in results) for s in ("PASS", "FAIL", "SKIP")}
     print(f"\n{counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped "
           f"in {time.perf_counter() - t0:.1f} s")
@@ -211,6 +330,10 @@ def main(argv=None) -> int:
                     help="run N random cases against `reference` (flashport.fuzz) instead of the fixed grid")
     pc.add_argument("--seed", type=int, default=0, help="--fuzz: seed of the random cases (default 0)")
     pc.add_argument("--log", default=None, metavar="PATH", help="--fuzz: write one JSON line per case to PATH")
+    pc.add_argument("--frontend", choices=("torch", "jax"), default="torch",
+                    help="jax: the flashport.jax backends on JAX's default platform (needs flashport[jax])")
+    pc.add_argument("--match", default=None, metavar="REGEX",
+                    help="--frontend jax: only the grid cases whose name matches")
     pb = sub.add_parser("bench", help="benchmark on the hardware present (JSON + PNG into --out)")
     from .bench import add_arguments
     add_arguments(pb)
@@ -225,10 +348,14 @@ def main(argv=None) -> int:
                     help="table path (default: the cache directory, FLASHPORT_CACHE_DIR or ~/.cache/flashport)")
     args = p.parse_args(argv)
     parser = {"check": pc, "bench": pb, "tune": pt}.get(args.cmd)
-    if args.cmd == "check":
+    if args.cmd == "check" and args.frontend == "jax":
+        check_jax_args(pc, args)
+    elif args.cmd == "check":
+        if args.match is not None:
+            pc.error("--match applies to --frontend jax")
         args.dtypes = parse_dtypes(pc, args.dtype)
         check_backends(pc, args.backend)
-    if parser is not None:
+    if parser is not None and getattr(args, "frontend", "torch") != "jax":
         check_device(parser, args.device)
     if args.cmd == "bench":
         check_out_dir(pb, args.out)

@@ -49,6 +49,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                         "torch.profiler, written as a Chrome trace (.json or .json.gz)")
     p.add_argument("--match", default=None, metavar="REGEX",
                    help="GPU: only the suite's shapes whose label matches (e.g. 's1024 h16 d128'), to re-measure a cell")
+    p.add_argument("--frontend", choices=("torch", "jax"), default="torch",
+                   help="jax: the flashport.jax backends (cudnn, blockwise, xla on a GPU; pallas-tpu on a TPU) on the "
+                        "standard suite beside the torch frontend's backend=None, into bench_standard_jax*.json / .png "
+                        "(--peers names JAX backends; on a CPU the suite is scaled down)")
 
 
 def _progress(total: int, desc: str):
@@ -61,6 +65,13 @@ def _progress(total: int, desc: str):
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "frontend", "torch") == "jax":
+        from ..cli import JAX_MISSING, import_jax_frontend
+        if import_jax_frontend() is None:
+            print(JAX_MISSING)
+            return 2
+        from ..jax.bench import run_cli
+        return run_cli(args)
     import torch
 
     from . import report

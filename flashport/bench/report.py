@@ -255,7 +255,8 @@ def plot_gpu(doc: dict, path: str) -> None:
         ax.set_ylabel("TFLOP/s")
         ax.grid(True, alpha=0.3)
     axes[0][0].legend(fontsize=7)
-    fig.suptitle(f"flashport bench --suite {doc['suite']} on {doc['environment']['card']} "
+    frontend = f" --frontend {doc['frontend']}" if doc.get("frontend", "torch") != "torch" else ""
+    fig.suptitle(f"flashport bench --suite {doc['suite']}{frontend} on {doc['environment']['card']} "
                  f"(matmul ceiling dotted)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)

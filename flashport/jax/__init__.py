@@ -79,11 +79,15 @@ def describe() -> list[dict]:
              "capabilities": i.capabilities} for i in backends()]
 
 
-def check(backends: list[str] | None = None, dtypes: list[str] | None = None, progress=None) -> list:
+def check(backends: list[str] | None = None, dtypes: list[str] | None = None, progress=None,
+          match: str | None = None) -> list:
     """Conformance of the JAX backends against the float64 reference (the tolerance rule of flashport.check),
     forward and gradients, on this platform's grid -> list of flashport.check.Result (print them with
     flashport.check.format_table).  Default: every available backend auto-selectable on this platform, plus
-    xla and blockwise; pallas-tpu on a CPU (interpret mode, slow) only when named."""
+    xla and blockwise; pallas-tpu on a CPU (interpret mode, slow) only when named.  match: a regular
+    expression; only the grid cases whose name it finds are run (`flashport check --frontend jax --match`)."""
+    import re
+
     import jax
     from . import conformance
     platform = jax.default_backend()
@@ -94,6 +98,7 @@ def check(backends: list[str] | None = None, dtypes: list[str] | None = None, pr
     results = []
     for name in backends:
         cases = conformance.pallas_grid() if name.startswith("pallas-tpu") else conformance.grid(platform)
+        cases = [c for c in cases if match is None or re.search(match, c.name)]
         for dtype in dtypes:
             for case in cases:
                 r = conformance.check_case(name, case, dtype)

@@ -1,7 +1,7 @@
 """Conformance of the JAX backends against the float64 reference under flashport's tolerance rule
 (flashport/check.py): out, lse and dq, dk, dv (with an lse cotangent where lse is served), each within
 FACTOR x the same-dtype math path's error plus rounding noise.  Used by tests/test_jax*.py,
-`flashport.jax.check()` and tools/gpu/jax_check.py.
+`flashport.jax.check()` (`flashport check --frontend jax`) and tools/gpu/jax_check.py.
 """
 from __future__ import annotations
 
@@ -54,7 +54,12 @@ def grid(platform: str = "cpu") -> list[Case]:
     if platform != "cpu":
         g += [Case("causal-d128", b=2, sq=257, sk=257, hq=8, hkv=2, d=128, causal=True),
               Case("d64-1023", sq=1023, sk=1023, hq=4, hkv=4, d=64),
-              Case("window-d128", sq=512, sk=512, hq=4, hkv=1, d=128, window=(64, 0))]
+              Case("window-d128", sq=512, sk=512, hq=4, hkv=1, d=128, window=(64, 0)),
+              # the sizes cuDNN's kernels are used at (tools/gpu/jax_check.py had them; `check --frontend jax` too)
+              Case("causal-gqa-d64-1024", b=2, sq=1024, sk=1024, hq=8, hkv=2, d=64, causal=True),
+              Case("d128-2048", sq=2048, sk=2048, hq=4, hkv=4, d=128),
+              Case("causal-window-d128-2048", sq=2048, sk=2048, hq=4, hkv=2, d=128, window=(256, 0)),
+              Case("causal-gqa-d128-4096", sq=4096, sk=4096, hq=2, hkv=1, d=128, causal=True)]
     return g
 
 
