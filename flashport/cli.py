@@ -249,11 +249,14 @@ def check_jax(args) -> int:
     platform = fj.environment()["platform"]
     names = args.backend or [b.name for b in fj.backends_for(platform)]
     dtypes = [str(d).split(".")[-1] for d in args.dtypes] if args.dtypes else None
-    from .bench import _progress
-    bar, tick = _progress(None, f"flashport.jax check on {platform}")
-    results = fj.check(names, dtypes, progress=lambda r: tick(), match=args.match)
-    if bar is not None:
-        bar.close()
+    print(f"flashport.jax check on {platform}: {', '.join(names)} (one line per case as it ends, then the table)",
+          flush=True)
+
+    def progress(r):   # a run cut by a time limit still leaves its verdicts in the log
+        print(f"  {r.backend:<17} {r.case:<44} {r.status}  {r.worst or '-'} {r.err:.2e} <= {r.bound:.2e}  "
+              f"{r.seconds:.1f}s {r.note[:90]}", flush=True)
+    results = fj.check(names, dtypes, progress=progress, match=args.match)
+    print()
     print(format_table(results))
     print(f"\nJAX {fj.environment()['jax']} on {platform}, per backend:")
     for name in registry.names():

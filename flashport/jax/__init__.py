@@ -95,17 +95,20 @@ def check(backends: list[str] | None = None, dtypes: list[str] | None = None, pr
         backends = [b.name for b in backends_for(platform)]
     if dtypes is None:
         dtypes = ["float32"] if platform == "cpu" else (["bfloat16"] if platform == "tpu" else ["bfloat16", "float16"])
-    results = []
+    runs = []   # (backend, dtype, case): case by case, every backend in turn, so each reference is computed once
     for name in backends:
         cases = conformance.pallas_grid() if name.startswith("pallas-tpu") else conformance.grid(platform)
-        cases = [c for c in cases if match is None or re.search(match, c.name)]
-        for dtype in dtypes:
-            for case in cases:
-                r = conformance.check_case(name, case, dtype)
-                results.append(r)
-                if progress:
-                    progress(r)
-    return results
+        runs += [(name, dtype, case) for dtype in dtypes for case in cases
+                 if match is None or re.search(match, case.name)]
+    order = {run: i for i, run in enumerate(runs)}
+    results = {}
+    for run in sorted(runs, key=lambda r: (r[1], r[2].name, order[r])):
+        name, dtype, case = run
+        results[run] = r = conformance.check_case(name, case, dtype)
+        if progress:
+            progress(r)
+    conformance.clear_cache()
+    return [results[run] for run in runs]       # grouped by backend, as asked
 
 
 def backends_for(platform: str) -> list:

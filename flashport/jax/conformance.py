@@ -127,6 +127,28 @@ def _reference(case: Case, x: dict, dtype: torch.dtype, with_lse: bool, grads: b
     return out.detach(), lse.detach(), g, leaves, extras
 
 
+_REF_CACHE: dict = {}
+REF_CACHE_SIZE = 8
+
+
+def _cached_reference(case: Case, seed: int, x: dict, dtype, with_lse: bool, grads: bool, lse_for_cot=None,
+                      low_dtype=torch.float32):
+    """_reference, kept for the last few (case, seed, dtype, ...): every backend of one case and dtype is checked
+    against the same float64 and same-dtype math paths (the inputs are a function of case and seed), so they
+    are computed once, not once per backend (flashport.jax.check runs the backends of a case one after another).
+    The results are read, never written, by check_case."""
+    key = (case, seed, dtype, with_lse, grads, lse_for_cot is not None, low_dtype)
+    if key not in _REF_CACHE:
+        while len(_REF_CACHE) >= REF_CACHE_SIZE:
+            _REF_CACHE.pop(next(iter(_REF_CACHE)))
+        _REF_CACHE[key] = _reference(case, x, dtype, with_lse, grads, lse_for_cot, low_dtype)
+    return _REF_CACHE[key]
+
+
+def clear_cache() -> None:
+    _REF_CACHE.clear()
+
+
 def _grads(out, lse, leaves, x, with_lse, lse_for_cot, retain):
     dtype = out.dtype
     do = reference.to_torch(x["do"], dtype)
@@ -167,8 +189,9 @@ def check_case(backend: str, case: Case, dtype: str = "float32", seed: int = 0, 
         res, pullback = jax.vjp(f, q, k, v)
         out, lse = res if with_lse else (res, None)
         td = getattr(torch, dtype)
-        ref, ref_lse, ref_g, ref_leaves, extras = _reference(case, x, torch.float64, with_lse, grads, low_dtype=td)
-        low, low_lse, low_g, _, _ = _reference(case, x, td, with_lse, grads, lse_for_cot=ref_lse)
+        ref, ref_lse, ref_g, ref_leaves, extras = _cached_reference(case, seed, x, torch.float64, with_lse, grads,
+                                                                    low_dtype=td)
+        low, low_lse, low_g, _, _ = _cached_reference(case, seed, x, td, with_lse, grads, lse_for_cot=ref_lse)
         got_out = reference.to_torch(out, torch.float64)
         items = [("out", got_out, ref, low, OUT_FACTOR, None)]
         extras = extras or {}
