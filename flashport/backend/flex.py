@@ -36,6 +36,16 @@ BLOCK_MASK_CACHE = 16       # block masks kept (each holds its mods alive); the 
 _compiled = []
 
 
+RECOMPILE_LIMIT = 64        # distinct mods (compiled graphs) one process may use through this backend
+
+
+def _dynamo_limits():
+    import torch._dynamo.config as cfg
+    patch = {k: v for k, v in (("recompile_limit", RECOMPILE_LIMIT), ("fail_on_recompile_limit_hit", True))
+             if hasattr(cfg, k)}
+    return cfg.patch(**patch)
+
+
 def _lse_request() -> dict:
     # torch >= 2.9 asks for the lse through return_aux (return_lse is deprecated there)
     try:
@@ -164,7 +174,11 @@ class FlexBackend(dispatch.Backend):
     def run(self, spec: AttnSpec, inputs: AttnInputs):
         q, k, v = (t.transpose(1, 2) for t in (inputs.q, inputs.k, inputs.v))      # [B, H, S, D] views
         diag = torch.tensor(spec.seqlen_k - spec.seqlen_q, device=q.device)
-        out, aux = _flex()(q, k, v, score_mod=_score_mod(spec, inputs, diag),
-                           block_mask=_block_mask(spec, inputs, diag), scale=spec.softmax_scale,
-                           enable_gqa=spec.heads_q != spec.heads_kv, **_lse_request())
+        # Each distinct mod is one more compiled graph.  Past Dynamo's recompile limit, compiled Flex would fall
+        # back to eager Flex, which materialises the scores: FlexAttention's known silent O(S^2) failure.  A
+        # larger limit for this call, and an error instead of that fallback.
+        with _dynamo_limits():
+            out, aux = _flex()(q, k, v, score_mod=_score_mod(spec, inputs, diag),
+                               block_mask=_block_mask(spec, inputs, diag), scale=spec.softmax_scale,
+                               enable_gqa=spec.heads_q != spec.heads_kv, **_lse_request())
         return out.transpose(1, 2), getattr(aux, "lse", aux)

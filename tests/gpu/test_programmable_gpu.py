@@ -15,16 +15,19 @@ import flashport  # noqa: E402
 from flashport.fuzz import mods as fuzz_mods  # noqa: E402
 
 N = int(os.environ.get("FLASHPORT_MODS_FUZZ_N", "300"))
+# Each new mod / dtype / head dim is a Flex compile of several seconds: fewer cases there.
+N_FLEX = int(os.environ.get("FLASHPORT_MODS_FUZZ_N_FLEX", "40"))
 
 
-@pytest.mark.parametrize("backend", ["flex", "blockwise"])
+@pytest.mark.parametrize("backend", ["blockwise", "flex"])
 def test_mods_fuzz_on_cuda(backend):
-    results = [fuzz_mods.run(fuzz_mods.draw(20261206, i), backend, "cuda") for i in range(N)]
+    n = N_FLEX if backend == "flex" else N
+    results = [fuzz_mods.run(fuzz_mods.draw(20261206, i), backend, "cuda") for i in range(n)]
     fails = [(i, r["problems"]) for i, r in enumerate(results) if r["status"] == "FAIL"]
     passed = sum(r["status"] == "PASS" for r in results)
-    print(f"{backend}: {passed} PASS, {len(fails)} FAIL, {N - passed - len(fails)} SKIP")
+    print(f"{backend}: {passed} PASS, {len(fails)} FAIL, {n - passed - len(fails)} SKIP")
     assert not fails, fails[:5]
-    assert passed >= N // 2
+    assert passed >= n // 2
 
 
 def test_flex_does_not_recompile_for_new_lengths():
