@@ -27,7 +27,7 @@ def test_mods_fuzz_on_cuda(backend):
     passed = sum(r["status"] == "PASS" for r in results)
     print(f"{backend}: {passed} PASS, {len(fails)} FAIL, {n - passed - len(fails)} SKIP")
     assert not fails, fails[:5]
-    assert passed >= n // 2
+    assert passed >= n // 4   # flex declares head dims 16..256 powers of two: the others SKIP
 
 
 def test_flex_does_not_recompile_for_new_lengths():
