@@ -7,8 +7,11 @@
 #   bench_standard_jax_<card>.json/.png/.log
 #                                       `flashport bench --suite standard --frontend jax`: the JAX backends on the
 #                                       standard suite beside the torch frontend's backend=None (TFLOP/s, FA convention)
-# About 5 minutes on an H100 / H200 (check ~2 min, bench ~3 min; each step has its own time limit, and the bench
-# JSON is rewritten after every shape, so a step cut by its limit keeps what it measured).
+# About 5-6 minutes on an H100 / H200 with the defaults (estimates: this version has not run on a GPU yet): check
+# ~1.5-2.5 min (102 cases; its log prints each verdict as it ends), bench up to BENCH_SECONDS=240.  The whole
+# standard suite (36 shapes x cudnn/blockwise/xla/torch, each JAX cell compiled twice) is estimated at 5-6 min:
+# the bench JSON is rewritten after every shape and marked "partial" when cut, and the shapes run S = 4096 and
+# 16384 first (every head dim and mask), then 1024, 8192, 2048, 512.  BENCH_SECONDS=400 for the whole suite.
 # JAX_CHECK=1 also runs tools/gpu/jax_check.py (the earlier one-file check + bench, JSON to $OUT/jax_gpu.json).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
