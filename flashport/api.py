@@ -50,10 +50,14 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,
                      softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0,
-                     deterministic=False, return_lse=False, backend=None):
+                     deterministic=False, return_lse=False, backend=None, score_mod=None, mask_mod=None):
     """Packed variable-length attention.  q [total_q, Hq, D], k/v [total_k, Hkv, D|Dv],
     cu_seqlens_* int32 [B + 1].  Sequence b uses rows cu_seqlens[b]:cu_seqlens[b+1]; rows past
-    cu_seqlens_q[-1] come back as zeros.  Returns out [total_q, Hq, Dv] (and lse [Hq, total_q])."""
+    cu_seqlens_q[-1] come back as zeros.  Returns out [total_q, Hq, Dv] (and lse [Hq, total_q]).
+    score_mod / mask_mod as in `attention`, with b the sequence's index and q_idx / kv_idx positions within it."""
+    if _compiling() and (score_mod is not None or mask_mod is not None):
+        raise NotImplementedError("flashport.attention_varlen with score_mod / mask_mod does not trace under "
+                                  "torch.compile yet; call it outside the compiled region")
     if _compiling():
         return ops.attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
                                     causal=causal, softmax_scale=softmax_scale, window_size=window_size,
@@ -62,7 +66,7 @@ def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seql
     spec, inputs = varlen_spec(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, causal=causal,
                                softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
                                alibi_slopes=alibi_slopes, dropout_p=dropout_p, deterministic=deterministic,
-                               return_lse=return_lse)
+                               return_lse=return_lse, score_mod=score_mod, mask_mod=mask_mod)
     return _finish(*serve.call(spec, inputs, backend), return_lse)
 
 

@@ -328,7 +328,7 @@ def _cu_seqlens(cu, name: str, batch: Optional[int], total: int, max_seqlen: int
 
 def varlen_spec(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal,
                 softmax_scale, window_size, softcap, alibi_slopes, dropout_p, deterministic,
-                return_lse) -> tuple[AttnSpec, AttnInputs]:
+                return_lse, score_mod=None, mask_mod=None) -> tuple[AttnSpec, AttnInputs]:
     for t, n in ((q, "q"), (k, "k"), (v, "v")):
         _tensor(t, n)
     _rank(q, "q", 3, "[total_q, Hq, D]")
@@ -349,12 +349,18 @@ def varlen_spec(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
     seqlen_q, seqlen_k = min(max_seqlen_q, q.shape[0]), min(max_seqlen_k, k.shape[0])
     opts = _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                    deterministic, return_lse, batch, hq, seqlen_q + seqlen_k)
+    # mods see b = the sequence's index and positions within the sequence (block masks and attn_bias have no
+    # per-sequence shape, so a packed call takes neither)
+    prog = build_programmable(score_mod, mask_mod, None, None, batch=batch, heads_q=hq, sq=seqlen_q,
+                              sk=seqlen_k, device=q.device)
+    extra = () if prog is None else prog.differentiable
     spec = AttnSpec(kind="varlen", batch=batch, seqlen_q=seqlen_q, seqlen_k=seqlen_k,
                     heads_q=hq, heads_kv=k.shape[1], head_dim=q.shape[-1], head_dim_v=v.shape[-1],
-                    dtype=q.dtype, device=q.device, needs_grad=_needs_grad(q, k, v), **opts)
+                    dtype=q.dtype, device=q.device, needs_grad=_needs_grad(q, k, v, *extra),
+                    mods=() if prog is None else prog.features, **opts)
     inputs = AttnInputs(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
                         alibi_slopes=alibi_slopes, cu_seqlens_q=_index(cu_seqlens_q),
-                        cu_seqlens_k=_index(cu_seqlens_k))
+                        cu_seqlens_k=_index(cu_seqlens_k), prog=prog)
     return spec, inputs
 
 

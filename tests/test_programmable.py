@@ -291,3 +291,45 @@ def test_bad_programmable_input_names_the_argument():
         flashport.attention(q, k, v, block_mask=bm, mask_mod=mods.prefix_lm(3))
     with pytest.raises(TypeError, match="block_mask"):
         flashport.attention(q, k, v, block_mask="causal")
+
+
+# ----------------------------------------------------------------------------- varlen
+@pytest.mark.parametrize("backend", ["reference", "blockwise"])
+def test_varlen_mods_equal_per_sequence_calls(backend, small_tiles):
+    lens = [5, 0, 17, 9]
+    cu = torch.tensor([0, 5, 5, 22, 31], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(33, HQ, D, generator=g, dtype=torch.float64, requires_grad=True)   # 2 rows past cu[-1]
+    k = torch.randn(31, HKV, D, generator=g, dtype=torch.float64, requires_grad=True)
+    v = torch.randn(31, HKV, D, generator=g, dtype=torch.float64, requires_grad=True)
+    table = torch.randn(HQ, 9, generator=g, dtype=torch.float64, requires_grad=True)
+    seq_bias = torch.randn(4, dtype=torch.float64, requires_grad=True)    # depends on b: the sequence index
+
+    def score_mod(score, b, h, i, j):
+        return mods.relative_position(table)(score, b, h, i, j) + seq_bias[b]
+    mask = mods.sliding_window(6, sinks=1)
+    out = flashport.attention_varlen(q, k, v, cu, cu, 17, 17, backend=backend, score_mod=score_mod, mask_mod=mask)
+    do = torch.randn_like(out)
+    got = torch.autograd.grad(out, (q, k, v, table, seq_bias), do)
+    assert (out[31:] == 0).all()
+    parts, start = [], 0
+    for b, n in enumerate(lens):
+        if n:
+            sl = slice(start, start + n)
+
+            def mod_b(score, bb, h, i, j, b=b):      # the dense call's b is 0: pin the sequence's index
+                return mods.relative_position(table)(score, bb, h, i, j) + seq_bias[b]
+            parts.append(_oracle(q[None, sl], k[None, sl], v[None, sl], score_mod=mod_b, mask_mod=mask)[0][0])
+        start += n
+    ref = torch.cat(parts + [torch.zeros(2, HQ, D, dtype=torch.float64)])
+    want = torch.autograd.grad(ref, (q, k, v, table, seq_bias), do)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_varlen_takes_no_block_mask_or_bias():
+    q = torch.randn(8, HQ, D)
+    cu = torch.tensor([0, 8], dtype=torch.int32)
+    with pytest.raises(TypeError, match="block_mask|attn_bias"):
+        flashport.attention_varlen(q, q[:, :HKV], q[:, :HKV], cu, cu, 8, 8, attn_bias=torch.zeros(8, 8))

@@ -318,7 +318,8 @@ class _Call:
         lse = torch.full((hq, q.shape[0]), _NEG_INF, dtype=_compute_dtype(q.dtype), device=q.device)
         for b, (q0, q1, k0, k1) in enumerate(self.segments):
             if q1 > q0 and k1 > k0:
-                o, l = forward_tiles(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None], self.tiling, self._alibi(b), b)
+                o, l = forward_tiles(q[q0:q1][None], k[k0:k1][None], v[k0:k1][None], self.tiling, self._alibi(b), b,
+                                     self.prog)
                 out[q0:q1], lse[:, q0:q1] = o[0], l[0]
         return out, lse
 
@@ -326,14 +327,17 @@ class _Call:
         if self.segments is None:
             return backward_tiles(do, q, k, v, out, lse, dlse, self.tiling, self.alibi, prog=self.prog)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        extras = [] if self.prog is None else [torch.zeros_like(x) for x in self.prog.differentiable]
         for b, (q0, q1, k0, k1) in enumerate(self.segments):
             if q1 > q0 and k1 > k0:
                 g = backward_tiles(do[q0:q1][None], q[q0:q1][None], k[k0:k1][None], v[k0:k1][None],
                                    out[q0:q1][None], lse[:, q0:q1][None],
-                                   None if dlse is None else dlse[:, q0:q1][None], self.tiling, self._alibi(b), b)
-
+                                   None if dlse is None else dlse[:, q0:q1][None], self.tiling, self._alibi(b), b,
+                                   self.prog)
                 dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
-        return dq, dk, dv
+                for acc, gx in zip(extras, g[3:]):   # captured tensors: summed over the sequences
+                    acc += gx
+        return (dq, dk, dv, *extras)
 
 
 def _kvcache(spec: AttnSpec, inputs: AttnInputs, opt: _Tiling, alibi):

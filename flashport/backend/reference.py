@@ -23,13 +23,14 @@ def materialized_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi
                            left: int = -1, right: int = -1, seqlens_k: Optional[torch.Tensor] = None,
                            keep: Optional[torch.Tensor] = None, dropout_p: float = 0.0,
                            compute_dtype: torch.dtype = torch.float64, rows: Optional[torch.Tensor] = None,
-                           seqlen_q=None, prog=None):
+                           seqlen_q=None, prog=None, batch_offset: int = 0):
     """q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] -> out [B, Sq, Hq, Dv] (q's dtype),
     lse [B, Hq, Sq] float32.  alibi [B, Hq] float32; seqlens_k [B] valid keys per batch entry
     (bottom-right alignment uses them); keep [B, Hq, Sq, Sk] bool keep-mask for dropout.
     rows / seqlen_q: q holds only these query rows (int64 [Sq]) of a call with seqlen_q rows (an int or a
     tensor; the alignment and ALiBi use it), as the guard checks a few rows of a large call.
-    prog: a flashport.programmable.Programmable (score_mod, attn_bias, mask_mod, block mask) or None."""
+    prog: a flashport.programmable.Programmable (score_mod, attn_bias, mask_mod, block mask) or None; its mods
+    see batch index batch_offset + b (a varlen call's sequence b)."""
     b, sq, hq, _ = q.shape
     sk, hkv = k.shape[1], k.shape[2]
     g = hq // hkv
@@ -50,7 +51,7 @@ def materialized_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi
         s = s + alibi_bias(alibi[:, :, None, None].to(cd), i, j, sq_full, skv).to(cd)
     vis = visible(i, j, sq_full, skv, left, right)
     if prog is not None:
-        bi = torch.arange(b, device=q.device).view(b, 1, 1, 1)
+        bi = (torch.arange(b, device=q.device) + batch_offset).view(b, 1, 1, 1)
         hi = torch.arange(hq, device=q.device).view(1, hq, 1, 1)
         s = prog.scores(s, bi, hi, i[None, None], j[None, None])
         mods = prog.visible(bi, hi, i[None, None], j[None, None])
@@ -152,7 +153,7 @@ class ReferenceBackend(dispatch.Backend):
                         else dense_keep_mask(inputs.rng_state, spec.dropout_p, 1, spec.heads_q, qb.shape[1],
                                              kb.shape[1], batch_index=b))
             o, l = materialized_attention(qb, kb, vb, alibi=None if alibi is None else alibi[b:b + 1], keep=keep,
-                                          **_kw(spec))
+                                          prog=inputs.prog, batch_offset=b, **_kw(spec))
             outs.append(o[0])
             lses.append(l[0])
         tail = q.shape[0] - cq[-1]  # rows past cu_seqlens_q[-1]: zeros, lse -inf
