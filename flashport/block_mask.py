@@ -71,7 +71,7 @@ class BlockMask:
         return self.state[bb, hh, i // qb, j // kb] != EMPTY
 
 
-def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Q_LEN: int, KV_LEN: int,
+def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Sq: int, Sk: int,
                       device=None, block_size=128) -> BlockMask:
     """Evaluate mask_mod(b, h, q_idx, kv_idx) -> bool on the whole grid, once, in bounded chunks, and
     classify every tile.  B / H None: the mask does not depend on them (one entry for all).
@@ -79,29 +79,29 @@ def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Q_
     if not callable(mask_mod):
         raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
     qb, kb = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
-    for n, name in ((Q_LEN, "Q_LEN"), (KV_LEN, "KV_LEN"), (qb, "block_size"), (kb, "block_size")):
+    for n, name in ((Sq, "Sq"), (Sk, "Sk"), (qb, "block_size"), (kb, "block_size")):
         if not isinstance(n, int) or isinstance(n, bool) or n < (1 if name == "block_size" else 0):
             raise ValueError(f"{name} must be a {'positive' if name == 'block_size' else 'non-negative'} int, got {n!r}")
     b, h = B or 1, H or 1
     device = torch.device(device if device is not None else "cpu")
-    nq, nk = -(-Q_LEN // qb), -(-KV_LEN // kb)
+    nq, nk = -(-Sq // qb), -(-Sk // kb)
     state = torch.full((b, h, nq, nk), EMPTY, dtype=torch.int8, device=device)
     bi = torch.arange(b, device=device).view(b, 1, 1, 1)
     hi = torch.arange(h, device=device).view(1, h, 1, 1)
     # a chunk of whole key tiles per row tile, within EVAL_ELEMENTS
     tiles_k = max(1, min(nk, EVAL_ELEMENTS // max(1, b * h * qb * kb)))
     for t in range(nq):
-        i = torch.arange(t * qb, min((t + 1) * qb, Q_LEN), device=device)
+        i = torch.arange(t * qb, min((t + 1) * qb, Sq), device=device)
         for c0 in range(0, nk, tiles_k):
             c1 = min(c0 + tiles_k, nk)
-            j = torch.arange(c0 * kb, min(c1 * kb, KV_LEN), device=device)
+            j = torch.arange(c0 * kb, min(c1 * kb, Sk), device=device)
             m = mask_mod(bi, hi, i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)).to(torch.bool)
             m = torch.broadcast_to(m, (b, h, i.numel(), j.numel()))
-            pad = (c1 - c0) * kb - j.numel()   # keys past KV_LEN: neither visible nor masking
+            pad = (c1 - c0) * kb - j.numel()   # keys past Sk: neither visible nor masking
             anyv = torch.nn.functional.pad(m, (0, pad), value=False).view(b, h, i.numel(), c1 - c0, kb).any(-1).any(2)
             allv = torch.nn.functional.pad(m, (0, pad), value=True).view(b, h, i.numel(), c1 - c0, kb).all(-1).all(2)
             state[:, :, t, c0:c1] = torch.where(allv, FULL, torch.where(anyv, PARTIAL, EMPTY)).to(torch.int8)
-    return BlockMask(state, (Q_LEN, KV_LEN), (qb, kb), mask_mod)
+    return BlockMask(state, (Sq, Sk), (qb, kb), mask_mod)
 
 
 def _is_noop(fn) -> bool:
