@@ -15,7 +15,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | 
 if [ "$PART" = a ] || [ "$PART" = c ]; then
   # c: part a without FA4, plus the programmable probe (one call when the device time left allows no pair)
   [ "$PART" = a ] && mkdir -p /tmp/fa4 && xz -dc .fa4a/ir.so.xz > /tmp/fa4/ir.so && echo "fa4 step 1 done"
-  OUT=$R/jax INFO_SECONDS=40 CHECK_SECONDS=170 BENCH_SECONDS=${BENCH_SECONDS:-180} timeout 400 \
+  OUT=$R/jax INFO_SECONDS=40 CHECK_SECONDS=${CHECK_SECONDS:-170} BENCH_SECONDS=${BENCH_SECONDS:-180} timeout 400 \
       bash tools/gpu/gpu_issue10.sh > "$R/jax_run.log" 2>&1; echo "jax rc=$?"; tail -30 "$R/jax_run.log"
   FLASHPORT_MODS_FUZZ_N=${MODS_N:-300} timeout ${PROG_SECONDS:-140} python -m pytest -q -s -p no:cacheprovider \
       tests/gpu/test_programmable_gpu.py 2>&1 | tail -40 | tee "$R/programmable_gpu.log"
