@@ -148,6 +148,9 @@ class FlexBackend(dispatch.Backend):
     backward run together in Flex's own autograd."""
 
     name = "flex"
+    # Named only until its GPU tier passes: in the 14th session's run (H100) compiled Flex broke on some of
+    # flashport's composed mods (an AssertionError inside Flex's autograd after a graph break, PERFLOG row 39).
+    auto = False
     auto_devices = ("cuda",)
     caps = Capabilities(devices=("cuda",), dtypes=("float16", "bfloat16", "float32"),
                         head_dims=(16, 32, 64, 128, 256), kinds=("dense",), paged_kvcache=False, dropout=False,

@@ -81,7 +81,7 @@ def run(c: dict, backend: str = "blockwise", device="cpu") -> dict:
     leaves = [q, k, v, *extra]
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref, ref_lse = flashport.attention(q64, k64, v64, backend="reference", return_lse=True, **kw)
-    prog = build(score, mask, bm, bias, batch=c["b"], heads_q=c["hq"], sq=c["sq"], sk=c["sk"], device=device)
+    prog = build(score, mask, bm, bias, batch=c["b"], heads_q=c["hq"], sq=c["sq"], sk=c["sk"], device=q.device)
     low, _ = materialized_attention(q, k, v, scale=c["d"] ** -0.5, right=0 if c["causal"] else -1,
                                     compute_dtype=dtype, prog=prog)
     problems, worst = [], 0.0
