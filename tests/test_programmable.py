@@ -333,3 +333,17 @@ def test_varlen_takes_no_block_mask_or_bias():
     cu = torch.tensor([0, 8], dtype=torch.int32)
     with pytest.raises(TypeError, match="block_mask|attn_bias"):
         flashport.attention_varlen(q, q[:, :HKV], q[:, :HKV], cu, cu, 8, 8, attn_bias=torch.zeros(8, 8))
+
+
+@pytest.mark.parametrize("backend", ["reference", "blockwise"])
+def test_score_mod_masking_with_minus_inf_gives_empty_rows_not_nan(backend, small_tiles):
+    q, k, v, do = _inputs()
+
+    def score_mod(score, b, h, i, j):      # masks by score: rows 0..2 keep no key
+        return torch.where(j <= i - 3, score, torch.full_like(score, float("-inf")))
+    out, lse = flashport.attention(q, k, v, score_mod=score_mod, backend=backend, return_lse=True)
+    assert (out[:, :3] == 0).all() and torch.isneginf(lse[:, :, :3]).all()
+    ref, _ = _oracle(q, k, v, mask_mod=lambda b, h, i, j: j <= i - 3)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    for g in torch.autograd.grad(out, (q, k, v), do):
+        assert torch.isfinite(g).all()

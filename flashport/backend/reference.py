@@ -57,6 +57,9 @@ def materialized_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi
         mods = prog.visible(bi, hi, i[None, None], j[None, None])
         if mods is not None:
             vis = vis & mods
+        # a score_mod may mask by returning -inf: such a pair is hidden (exp(-inf) = 0), and a row of them
+        # sees no key (zeros, lse -inf), not the NaN of -inf - (-inf)
+        vis = vis & (s.detach() != float("-inf"))
     vis = vis.expand(b, hq, sq, sk)
     # A finite fill keeps empty rows free of NaN in forward and backward: their l is 0, so p = 0,
     # out = 0 and lse = -inf, and every gradient through them is exactly zero.
