@@ -27,6 +27,7 @@ import torch
 from .. import dispatch
 from ..block_mask import create_block_mask
 from ..capabilities import Capabilities
+from ..masks import Visibility, alibi_bias
 from ..programmable import FEATURES
 from ..spec import AttnInputs, AttnSpec
 
@@ -63,7 +64,7 @@ def _flex():
     return _compiled[0]
 
 
-def _score_mod(spec: AttnSpec, inputs: AttnInputs, diag: torch.Tensor):
+def _score_mod(spec: AttnSpec, inputs: AttnInputs, lengths: tuple):
     """softcap -> ALiBi -> score_mod -> + attn_bias as one Flex score_mod (None when the scores stay plain).
     It closes over functions, tensors and the softcap constant only, never over per-call Python objects:
     Dynamo guards a closure by its code and the cells' contents, so each call's fresh closure reuses the
@@ -84,7 +85,7 @@ def _score_mod(spec: AttnSpec, inputs: AttnInputs, diag: torch.Tensor):
         if cap > 0:
             score = cap * torch.tanh(score / cap)
         if slopes is not None:
-            score = score - slopes[b, h] * (q_idx + diag - kv_idx).abs()
+            score = score + alibi_bias(slopes[b, h], q_idx, kv_idx, *lengths)
         if user is not None:
             score = user(score, b, h, q_idx, kv_idx).to(score.dtype)
         if bias is not None:
@@ -93,7 +94,7 @@ def _score_mod(spec: AttnSpec, inputs: AttnInputs, diag: torch.Tensor):
     return score_mod
 
 
-def _block_mask(spec: AttnSpec, inputs: AttnInputs, diag: torch.Tensor):
+def _block_mask(spec: AttnSpec, inputs: AttnInputs, lengths: tuple):
     """The Flex BlockMask of the call's visibility, built by flashport.create_block_mask and cached."""
     prog = inputs.prog
     user_mask = None if prog is None else prog.mask_mod
@@ -110,11 +111,10 @@ def _block_mask(spec: AttnSpec, inputs: AttnInputs, diag: torch.Tensor):
 
     tiles = None if user_blocks is None else user_blocks.state
     qb, kb = (1, 1) if user_blocks is None else user_blocks.block_size
+    rule = Visibility(*lengths, left, right)      # lengths as tensors: the rule's own sees()
 
     def mask_mod(b, h, q_idx, kv_idx):
-        ok = kv_idx >= 0 if left < 0 else kv_idx >= q_idx + diag - left
-        if right >= 0:
-            ok = ok & (kv_idx <= q_idx + diag + right)
+        ok = rule.sees(q_idx, kv_idx)
         if tiles is not None:
             ok = ok & (tiles[b if per_b else 0, h if per_h else 0, q_idx // qb, kv_idx // kb] != 0)
         if user_mask is not None:
@@ -176,12 +176,12 @@ class FlexBackend(dispatch.Backend):
 
     def run(self, spec: AttnSpec, inputs: AttnInputs):
         q, k, v = (t.transpose(1, 2) for t in (inputs.q, inputs.k, inputs.v))      # [B, H, S, D] views
-        diag = torch.tensor(spec.seqlen_k - spec.seqlen_q, device=q.device)
+        lengths = (torch.tensor(spec.seqlen_q, device=q.device), torch.tensor(spec.seqlen_k, device=q.device))
         # Each distinct mod is one more compiled graph.  Past Dynamo's recompile limit, compiled Flex would fall
         # back to eager Flex, which materialises the scores: FlexAttention's known silent O(S^2) failure.  A
         # larger limit for this call, and an error instead of that fallback.
         with _dynamo_limits():
-            out, aux = _flex()(q, k, v, score_mod=_score_mod(spec, inputs, diag),
-                               block_mask=_block_mask(spec, inputs, diag), scale=spec.softmax_scale,
+            out, aux = _flex()(q, k, v, score_mod=_score_mod(spec, inputs, lengths),
+                               block_mask=_block_mask(spec, inputs, lengths), scale=spec.softmax_scale,
                                enable_gqa=spec.heads_q != spec.heads_kv, **_lse_request())
         return out.transpose(1, 2), getattr(aux, "lse", aux)
