@@ -111,18 +111,20 @@ def _mod_index(b0: int, batch: int, heads_kv: int, g: int, m0, m1, n0, n1, devic
             torch.arange(n0, n1, device=device).view(1, 1, 1, 1, -1))
 
 
-def _scores(q_t, k_t, m0, m1, n0, n1, vis: Visibility, opt: _Tiling, slopes, prog=None, b0=0, keep_pre=False):
+def _scores(q_t, k_t, m0, m1, n0, n1, vis: Visibility, opt: _Tiling, slopes, prog=None, b0=0, keep_pre=False,
+            tile="partial"):
     """Final scores of one tile, [B, Hkv, G * BM, BN], hidden pairs at -inf; also tanh(raw / softcap)
     (for the softcap gradient) or None, and for the backward of a programmable call whose mods change the
     scores (keep_pre) the scores before the mods with the tile's index tensors, else None.  slopes:
-    [B, Hkv, G, 1, 1] ALiBi slopes in the compute dtype, or None.  The scale multiplies the product (not q
-    beforehand) so rounding matches the math path: s = scale * (q @ k.T)."""
+    [B, Hkv, G, 1, 1] ALiBi slopes in the compute dtype, or None; tile: prog.tile() of this tile (the caller
+    has it already).  The scale multiplies the product (not q beforehand) so rounding matches the math path:
+    s = scale * (q @ k.T)."""
     s = (q_t @ k_t.transpose(-1, -2)).mul_(opt.scale)
     t = None
     if opt.softcap > 0:
         t = torch.tanh(s.div_(opt.softcap))
         s = opt.softcap * t
-    partial = prog is not None and prog.tile(m0, m1, n0, n1) == "partial"
+    partial = prog is not None and tile == "partial"
     needs_mask = not vis.tile_is_full(m0, m1, n0, n1) or partial
     if slopes is None and not needs_mask and prog is None:
         return s, t, None
@@ -210,9 +212,10 @@ def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b
         acc = torch.zeros(*q_t.shape[:3], dv, dtype=cd, device=q.device)
         for n0 in range(lo, hi, block_n):
             n1 = min(n0 + block_n, hi)
-            if prog is not None and prog.tile(m0, m1, n0, n1) == "empty":
+            tile = "partial" if prog is None else prog.tile(m0, m1, n0, n1)
+            if tile == "empty":
                 continue
-            s, _, _ = _scores(q_t, kh[:, :, n0:n1], m0, m1, n0, n1, vis, opt, slopes, prog, b0)
+            s, _, _ = _scores(q_t, kh[:, :, n0:n1], m0, m1, n0, n1, vis, opt, slopes, prog, b0, tile=tile)
             m_new = torch.maximum(m_i, s.amax(-1))
             # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
             # exp(-inf - m) = 0 rather than NaN.
@@ -271,10 +274,11 @@ def backward_tiles(do, q, k, v, out, lse, dlse, opt: _Tiling, alibi: Optional[to
         k_t, v_t = kh[:, :, n0:n1], vh[:, :, n0:n1]
         for m0 in range(lo, hi, block_m):
             m1 = min(m0 + block_m, hi)
-            if prog is not None and prog.tile(m0, m1, n0, n1) == "empty":
+            tile = "partial" if prog is None else prog.tile(m0, m1, n0, n1)
+            if tile == "empty":
                 continue
             q_t, do_t = _rows(qh, m0, m1), _rows(doh, m0, m1)
-            s, t, pre = _scores(q_t, k_t, m0, m1, n0, n1, vis, opt, slopes, prog, b0, keep_pre=True)
+            s, t, pre = _scores(q_t, k_t, m0, m1, n0, n1, vis, opt, slopes, prog, b0, keep_pre=True, tile=tile)
             p = s.sub_(_rows(lse_h, m0, m1)[..., None]).exp_()
             dp = do_t @ v_t.transpose(-1, -2)
             if opt.dropout_p > 0:
