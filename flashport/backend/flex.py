@@ -73,23 +73,27 @@ def _score_mod(spec: AttnSpec, inputs: AttnInputs, lengths: tuple):
     user = None if prog is None else prog.score_mod
     bias = None if prog is None else prog.attn_bias
     slopes = inputs.alibi_slopes
+    # Captured tensors are indexed as they are, never expanded first: an expanded (stride-0) view that requires
+    # grad is what Flex's autograd cannot take apart.  Size-1 dims are indexed at 0 (Python constants here).
     if slopes is not None and slopes.dim() == 1:
-        slopes = slopes.expand(spec.batch, spec.heads_q)
+        slopes = slopes[None]
     if bias is not None:
-        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape)).expand(
-            spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
     if cap == 0 and slopes is None and user is None and bias is None:
         return None
+    sb = slopes is not None and slopes.shape[0] > 1
+    bb, bh, bq, bk = (False,) * 4 if bias is None else (n > 1 for n in bias.shape)
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if cap > 0:
             score = cap * torch.tanh(score / cap)
         if slopes is not None:
-            score = score + alibi_bias(slopes[b, h], q_idx, kv_idx, *lengths)
+            score = score + alibi_bias(slopes[b if sb else 0, h], q_idx, kv_idx, *lengths)
         if user is not None:
             score = user(score, b, h, q_idx, kv_idx).to(score.dtype)
         if bias is not None:
-            score = score + bias[b, h, q_idx, kv_idx].to(score.dtype)
+            score = score + bias[b if bb else 0, h if bh else 0, q_idx if bq else 0, kv_idx if bk else 0].to(
+                score.dtype)
         return score
     return score_mod
 

@@ -1,0 +1,44 @@
+#!/usr/bin/env bash
+# The 15th session's device calls on one warm machine; each part returns $OUT/<part>.tgz (a call returns at most
+# 8 files).  The FA4 wheels travel in two carries of under 64 MiB (../shared/tools/fa4-wheels):
+#   PART=a (carry .fa4a): FA4 step 1; issue [15]'s flex diagnosis (graph breaks and recompiles, one case at a
+#          time), its GPU tier (mods fuzz on blockwise and flex, recompiles, auto) and the programmable probe
+#   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; issue [14]'s fa4 info, compile time, probes, check grid
+#          and fuzz (tools/gpu/fa4_check.sh); the workloads suite with FA4 among the peers
+#   PART=c (no carry, warm after b: FA4 stays installed under /tmp): the standard suite with FA4 among the peers
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+R=/tmp/s15_$PART; rm -rf "$R"; mkdir -p "$R"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/card.txt"
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" | tee -a "$R/card.txt"
+fa4_path() { export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages; }
+case "$PART" in
+a)
+  mkdir -p /tmp/fa4 && xz -dc .fa4a/ir.so.xz > /tmp/fa4/ir.so && echo "fa4 step 1 done"
+  TORCH_LOGS=graph_breaks,recompiles timeout ${DIAG_SECONDS:-150} python tools/gpu/flex_diag.py > "$R/flex_diag.log" 2>&1
+  echo "flex_diag rc=$?"; grep -E "^[a-z].*: (ok|FAILED)" "$R/flex_diag.log"
+  FLASHPORT_MODS_FUZZ_N=${MODS_N:-300} timeout ${PROG_SECONDS:-150} python -m pytest -q -p no:logging -p no:cacheprovider \
+      --tb=short tests/gpu/test_programmable_gpu.py > "$R/programmable_gpu.log" 2>&1
+  echo "programmable tier rc=$?"; grep -E "passed|failed|^FAILED|^E " "$R/programmable_gpu.log" | head -20
+  timeout ${PROBE_SECONDS:-150} python tools/gpu/programmable_probe.py --out "$R/programmable_probe.json" \
+      > "$R/programmable_probe.log" 2>&1; echo "probe rc=$?"; grep '^{' "$R/programmable_probe.log" | cut -c1-400
+  ;;
+b)
+  bash .fa4b/install.sh 2>&1 | tail -3 | tee "$R/fa4_install.log"; fa4_path
+  OUT=$R/fa4 PROBE_SECONDS=75 CHECK_SECONDS=${CHECK_SECONDS:-110} FUZZ_SECONDS=${FUZZ_SECONDS:-70} \
+      timeout 330 bash tools/gpu/fa4_check.sh > "$R/fa4_run.log" 2>&1; echo "fa4 rc=$?"
+  grep -E "rc=|compile|PASS|FAIL|summary|passed|failed" "$R/fa4_run.log" | head -40
+  OUT=$R/workloads BENCH_SECONDS=${BENCH_SECONDS:-190} bash tools/gpu/gpu_issue8.sh > "$R/workloads_run.log" 2>&1
+  echo "workloads rc=$?"; tail -25 "$R/workloads_run.log"
+  ;;
+c)
+  fa4_path; mkdir -p "$R/standard"; export FLASHPORT_CACHE_DIR=$R/cache
+  timeout ${BENCH_SECONDS:-500} python -m flashport bench --suite standard \
+      --peers flashport,flashport-triton,fa4,sdpa-cudnn,sdpa-fa2,flex --out "$R/standard" 2>&1 \
+      | grep -v "sdp_utils\|warnings.warn" > "$R/standard/bench_standard.log"
+  echo "standard rc=${PIPESTATUS[0]}"; python tools/gpu/ratio_summary.py "$R/standard/bench_standard.json" | tail -30
+  rm -rf "$R/cache"
+  ;;
+esac
+tar -C /tmp -czf "$OUT/$PART.tgz" "s15_$PART" && ls -la "$OUT"
