@@ -72,3 +72,77 @@ def test_flex_is_listed_and_refuses_cpu():
     q = torch.randn(1, 8, 2, 16)
     with pytest.raises(flashport.UnsupportedError, match="flex"):
         flashport.attention(q, q, q, backend="flex", score_mod=mods.tanh_softcap(3.0))
+
+
+@pytest.fixture
+def traced_flex(monkeypatch):
+    """The backend's own torch.compile(flex_attention, dynamic=True), with Dynamo's tracing and AOT autograd as on a
+    GPU but the aot_eager backend (no Inductor lowering; Flex's dense math runs the traced graphs), on a CPU: where
+    flashport's mods break Dynamo (graph breaks, recompiles), they break here too.  Counts the compiled graphs."""
+    from dataclasses import replace
+
+    from torch._dynamo.testing import CompileCounterWithBackend
+    if not hasattr(fa, "_validate_device"):
+        pytest.skip("this torch's flex_attention has no _validate_device to lift its CPU-backward refusal")
+    monkeypatch.setattr(fa, "_validate_device", lambda *a, **k: None)
+    counter = CompileCounterWithBackend("aot_eager")
+    torch._dynamo.reset()
+    monkeypatch.setattr(flex, "_compiled", [torch.compile(fa.flex_attention, dynamic=True, backend=counter)])
+    monkeypatch.setattr(flex, "BLOCK", 16)
+    monkeypatch.setattr(flex.FlexBackend, "availability", lambda self: [])
+    monkeypatch.setattr(flex.FlexBackend, "caps", replace(flex.FlexBackend.caps, devices=("cuda", "cpu")))
+    flex._BLOCK_MASKS.clear()
+    yield counter
+    flex._BLOCK_MASKS.clear()
+    torch._dynamo.reset()
+
+
+def _grads(backend, sq, b, kw, extras=()):
+    g = torch.Generator().manual_seed(sq + b)
+    q, k, v = (torch.randn(b, sq, 4, 16, generator=g, dtype=torch.float32, requires_grad=True) for _ in range(3))
+    out = flashport.attention(q, k, v, backend=backend, **kw)
+    ts = (q, k, v, *extras)
+    return out, torch.autograd.grad(out, ts, torch.ones_like(out))
+
+
+TRACED = {   # the kinds that failed on the GPU in the 14th session (a float the mods close over, captured grads)
+    "softcap builtin": lambda: (dict(softcap=20.0, causal=True), ()),
+    "alibi score_mod": lambda: (dict(score_mod=mods.alibi(torch.rand(4, dtype=torch.float32)), causal=True), ()),
+    "relative table (grad)": lambda: _with(lambda t: dict(score_mod=mods.relative_position(t), causal=True),
+                                           torch.randn(4, 9, dtype=torch.float32)),
+    "attn_bias (grad)": lambda: _with(lambda t: dict(attn_bias=t), torch.randn(1, 4, 1, 48, dtype=torch.float32)),
+}
+
+
+def _with(make, t):
+    t.requires_grad_()
+    return make(t), (t,)
+
+
+@pytest.mark.parametrize("name", list(TRACED))
+def test_traced_flex_forward_and_gradients(name, traced_flex):
+    kw, extras = TRACED[name]()
+    out, grads = _grads("flex", 48, 2, kw, extras)
+    ref, ref_grads = _grads("reference", 48, 2, kw, extras)
+    torch.testing.assert_close(out, ref, rtol=0, atol=2e-5)
+    for gr, rg in zip(grads, ref_grads):
+        torch.testing.assert_close(gr, rg, rtol=0, atol=2e-5)
+
+
+def test_new_lengths_and_batches_compile_nothing(traced_flex):
+    """One compiled graph per mod: after the first call, new S and B values (and new captured values) reuse it.
+    B = 1 is Dynamo's size-1 specialisation: one more graph, once."""
+    table = torch.randn(4, 9, dtype=torch.float32, requires_grad=True)
+    kw = dict(score_mod=mods.relative_position(table), softcap=8.0, causal=True)
+    _grads("flex", 48, 2, kw, (table,))
+    first = traced_flex.frame_count
+    assert first >= 1
+    for sq, b in ((64, 2), (80, 3), (112, 4)):
+        _grads("flex", sq, b, kw, (table,))
+    with torch.no_grad():
+        table.add_(1.0)   # new values of the captured table: the same graph
+    _grads("flex", 96, 2, kw, (table,))
+    assert traced_flex.frame_count == first
+    for sq in (32, 64):
+        _grads("flex", sq, 1, kw, (table,))
+    assert traced_flex.frame_count <= first + 1

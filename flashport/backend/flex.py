@@ -42,8 +42,11 @@ RECOMPILE_LIMIT = 64        # distinct mods (compiled graphs) one process may us
 
 def _dynamo_limits():
     import torch._dynamo.config as cfg
-    patch = {k: v for k, v in (("recompile_limit", RECOMPILE_LIMIT), ("fail_on_recompile_limit_hit", True))
-             if hasattr(cfg, k)}
+    # specialize_float: under dynamic=True, Dynamo otherwise turns a float the mods close over (the softcap) into
+    # a 0-d tensor input, and `if cap > 0` inside Flex's score_mod becomes a data-dependent branch: a graph break
+    # at the flex_attention HOP, after which its autograd fails ("all unwrapped values must be FakeTensor").
+    patch = {k: v for k, v in (("recompile_limit", RECOMPILE_LIMIT), ("fail_on_recompile_limit_hit", True),
+                                ("specialize_float", True)) if hasattr(cfg, k)}
     return cfg.patch(**patch)
 
 
@@ -77,12 +80,12 @@ def _score_mod(spec: AttnSpec, inputs: AttnInputs, lengths: tuple):
     # grad is what Flex's autograd cannot take apart.  Size-1 dims are indexed at 0 (Python constants here).
     if slopes is not None and slopes.dim() == 1:
         slopes = slopes[None]
-    if bias is not None:
-        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
     if cap == 0 and slopes is None and user is None and bias is None:
         return None
     sb = slopes is not None and slopes.shape[0] > 1
-    bb, bh, bq, bk = (False,) * 4 if bias is None else (n > 1 for n in bias.shape)
+    # attn_bias broadcasts from the right ([Sk], [Sq, Sk], ... [B, H, Sq, Sk]): which of (b, h, q_idx, kv_idx) index it
+    used = () if bias is None else tuple(n > 1 for n in bias.shape)
+    used = (None,) * (4 - len(used)) + used
 
     def score_mod(score, b, h, q_idx, kv_idx):
         if cap > 0:
@@ -92,8 +95,8 @@ def _score_mod(spec: AttnSpec, inputs: AttnInputs, lengths: tuple):
         if user is not None:
             score = user(score, b, h, q_idx, kv_idx).to(score.dtype)
         if bias is not None:
-            score = score + bias[b if bb else 0, h if bh else 0, q_idx if bq else 0, kv_idx if bk else 0].to(
-                score.dtype)
+            idx = tuple(x if u else 0 for x, u in zip((b, h, q_idx, kv_idx), used) if u is not None)
+            score = score + bias[idx].to(score.dtype)
         return score
     return score_mod
 
