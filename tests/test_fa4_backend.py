@@ -191,13 +191,38 @@ def _why(spec, role="fwd"):
 
 def test_declared_capabilities_serve_what_fa4_serves():
     on_cpu = ["device 'cpu' (serves cuda)"]   # all that stands between these calls and FA4 on a CPU
-    assert _why(_spec(d=128, dv=64, causal=True, softcap=30.0, return_lse=True)) == on_cpu
-    assert _why(_spec(d=40, hq=8, hkv=1, window_size=(5, 3), dtype=torch.bfloat16)) == on_cpu
-    assert _why(_spec(d=256, window_size=(7, -1), deterministic=True), "bwd") == on_cpu
-    assert _why(_spec(d=192, dv=128)) == on_cpu
+    assert _why(_spec(d=128, causal=True, softcap=30.0, return_lse=True)) == on_cpu
+    assert _why(_spec(d=64, hq=8, hkv=1, window_size=(5, 3), dtype=torch.bfloat16)) == on_cpu
+    assert _why(_spec(d=256, window_size=(7, -1)), "bwd") == on_cpu
     caps = fa4.Fa4Backend.caps
     assert caps.saved_state == "lse" and caps.min_capability == (9, 0) and caps.exact
-    assert {8, 64, 80, 96, 128, 192, 256} <= set(caps.head_dims) and 12 not in caps.head_dims
+    assert set(caps.head_dims) == {16, 32, 48, 64, 96, 128, 256}
+
+
+@pytest.mark.parametrize("kw,why", [   # what FA4 4.0.0b36 got wrong on an H100 (results/issue14_h100_s15)
+    (dict(d=80), "head dim 80/80"),
+    (dict(d=72), "head dim 72/72"),
+    (dict(d=40), "head dim 40/40"),
+    (dict(d=128, dv=64), "Dv != D"),
+    (dict(d=64, deterministic=True), "deterministic"),
+])
+def test_declared_capabilities_refuse_what_failed_on_the_gpu(kw, why):
+    assert any(why in r for r in _why(_spec(**kw), "bwd"))
+
+
+def _own(sq, sk, **kw):
+    g = torch.Generator().manual_seed(0)
+    q, k = _rnd(g, 1, sq, 2, 64), _rnd(g, 1, sk, 2, 64)
+    spec = dense_spec(q, k, k, **{**KW, "causal": False, **kw})[0]
+    return [r for r in fa4.Fa4Backend().own_reasons(spec, "fwd") if "no key" in r or "no row" in r]
+
+
+def test_rows_without_keys_and_keys_without_rows_are_refused():
+    assert _own(64, 64, causal=True) == [] and _own(32, 64, causal=True) == [] and _own(64, 64) == []
+    assert _own(64, 64, window_size=(8, 0)) == [] and _own(40, 32) == []
+    assert "a row that sees no key" in _own(65, 64, causal=True)[0]            # bottom-right: row 0 sees nothing
+    assert "a row that sees no key" in _own(96, 16, window_size=(0, 0))[0]
+    assert "a key that no row sees" in _own(16, 96, causal=True, window_size=(1, 0))[0]
 
 
 @pytest.mark.parametrize("kw,why", [
@@ -249,12 +274,11 @@ def test_auto_never_takes_fa4_by_static_priority(fake_fa4, monkeypatch, tmp_path
 # ----------------------------------------------------------------------------- the mapping, through the stand-in
 DENSE = [
     dict(sq=5, sk=9, causal=True),
-    dict(sq=9, sk=5, causal=True),                        # rows that see no key: zeros, lse -inf
-    dict(sq=7, sk=11, window_size=(3, 0)),
+    dict(sq=9, sk=11, window_size=(3, 0)),
     dict(sq=11, sk=7, window_size=(2, -1)),               # one bound only: -1 must reach FA4 as None
     dict(sq=6, sk=10, window_size=(-1, 4)),
-    dict(sq=8, sk=8, softcap=5.0, softmax_scale=0.3, dv=8),
-    dict(sq=3, sk=13, hq=4, hkv=1, d=24, dv=40, deterministic=True),
+    dict(sq=8, sk=8, softcap=5.0, softmax_scale=0.3),
+    dict(sq=3, sk=13, hq=4, hkv=1, d=32),
 ]
 
 
@@ -297,10 +321,10 @@ def test_varlen_mapping_zeroes_tails_and_never_reads_past_the_last_sequence(fake
     cu_q = torch.tensor([0, *torch.tensor(lens_q).cumsum(0).tolist()], dtype=torch.int32)
     cu_k = torch.tensor([0, *torch.tensor(lens_k).cumsum(0).tolist()], dtype=torch.int32)
     tq, tk = int(cu_q[-1]) + tail, int(cu_k[-1]) + tail
-    base = [_rnd(g, tq, 4, 16), _rnd(g, tk, 2, 16), _rnd(g, tk, 2, 8)]
+    base = [_rnd(g, tq, 4, 16), _rnd(g, tk, 2, 16), _rnd(g, tk, 2, 16)]
     for t, n in zip(base, (int(cu_q[-1]), int(cu_k[-1]), int(cu_k[-1]))):
         t[n:] = float("nan")                                            # padding the contract says is never read
-    do = _rnd(g, tq, 4, 8)
+    do = _rnd(g, tq, 4, 16)
     do[int(cu_q[-1]):] = float("nan")
     res = {}
     for name in ("fa4", "reference"):

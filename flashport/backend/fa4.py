@@ -23,9 +23,14 @@ FA4's conventions, read from flash_attn/cute/interface.py, softmax.py and mask.p
   unbounded -- flashport's rule, except that FA4 turns -1 into "unbounded" only when *both* sides are negative
   (a lone -1 is a real bound there), so each -1 is passed as None.  causal=True is passed as (None, 0), which
   FA4 resolves to its causal path.
-- head dims: on sm_90 any D and Dv in 8..256 divisible by 8 (16 bytes of fp16 / bf16), Dv != D included; on
-  sm_100 / sm_110 D, Dv <= 128, or (192, 128), or (256, 256).  fp16 / bf16 only (fp8 is forward-only, sm_100).
-- GQA / MQA natively (packed GQA), deterministic backward (semaphores), softcap forward and backward.
+- head dims: FA4 accepts on sm_90 any D and Dv in 8..256 divisible by 8, on sm_100 / sm_110 D, Dv <= 128, or
+  (192, 128), or (256, 256).  fp16 / bf16 only (fp8 is forward-only, sm_100).  Served here: D == Dv in HEAD_DIMS,
+  what passed the contract on an H100 (HEAD_DIMS' comment).
+- GQA / MQA natively (packed GQA), softcap forward and backward.  Its deterministic backward was not bitwise
+  repeatable under GQA on the H100 (two backwards differed in dq, dk), so deterministic=True calls go elsewhere.
+- dense calls where a row sees no key, or a key is seen by no row (causal with Sq > Sk, windows narrower than the
+  offset of Sq and Sk): FA4 returned inf outputs and gradients there on the H100, so those are refused; varlen,
+  whose rows past a sequence's keys this module zeroes itself, passed.
 
 Refused, each with its reason: ALiBi and dropout (FA4 has neither), float32, KV-cache calls (see below),
 programmable mods (FA4's score_mod is CuTe DSL code, not flashport's torch mods), cards below sm_90 (FA4's sm_80
@@ -60,6 +65,7 @@ import torch
 
 from .. import dispatch
 from ..capabilities import Capabilities
+from ..masks import Visibility
 from ..spec import AttnInputs, AttnSpec
 
 PACKAGE = "flash-attn-4"
@@ -67,8 +73,11 @@ MODULE = "flash_attn.cute"
 TESTED = "4.0.0b36"
 INSTALL = "pip install flashport[fa4]"
 NOT_INSTALLED = f"{PACKAGE} not installed: {INSTALL}"
-# sm_90: 8 <= D, Dv <= 256, each a multiple of 16 bytes (8 elements of fp16 / bf16): interface._validate_head_dims.
-HEAD_DIMS = tuple(range(8, 257, 8))
+# FA4's own rule on sm_90 is 8 <= D, Dv <= 256 in multiples of 8 (interface._validate_head_dims), but on an H100
+# (4.0.0b36, `flashport check --backend fa4` and the GPU fuzz tier, results/issue14_h100_s15) its gradients were wrong
+# at D = 40, 72 and 80, its forward gave NaN lse at 40/24, and its GQA backward asserts D == Dv.  Served: the head
+# dims that passed there, D == Dv.
+HEAD_DIMS = (16, 32, 48, 64, 96, 128, 256)
 MAX_ELEMENTS = 2**31 - 1
 # What this module passes to FA4's functions; a release whose signatures lack any of it is refused with the reason.
 _FWD_PARAMS = ("softmax_scale", "causal", "window_size", "softcap", "return_lse")
@@ -173,12 +182,14 @@ class Fa4Backend(dispatch.Backend):
     measured_only = True      # backend=None takes it only where the selection table measured it (module docstring)
     state_family = "fa4"      # no private state: its backward reads the contract's (out, lse)
     caps = Capabilities(devices=("cuda",), dtypes=("float16", "bfloat16"), head_dims=HEAD_DIMS, max_head_dim=256,
-                        dv_ne_d=True, kinds=("dense", "varlen"), paged_kvcache=False, softcap=True, alibi=False,
-                        dropout=False, lse=True, deterministic=True, gqa=True, min_capability=(9, 0),
+                        dv_ne_d=False, kinds=("dense", "varlen"), paged_kvcache=False, softcap=True, alibi=False,
+                        dropout=False, lse=True, deterministic=False, gqa=True, min_capability=(9, 0),
                         max_capability=(11, 9), saved_state="lse",
                         notes=(f"optional: {INSTALL} (flash-attn-4, tested {TESTED}); kernels compile at first call",
-                               "sm_90: D and Dv in 8..256, multiples of 8; sm_100/sm_110: D, Dv <= 128, 192/128 "
-                               "or 256/256",
+                               "D == Dv in 16..256 where it passed the contract on an H100 (not 40, 72, 80; not "
+                               "Dv != D); sm_100/sm_110: D <= 128 or 256",
+                               "dense calls with a row that sees no key or a key no row sees are left to "
+                               "flashport's kernels (FA4 gave inf there on an H100)",
                                "KV cache left to flashport's kernels: FA4 reads V rows past seqused_k inside a "
                                "tile, which the contract lets hold NaN",
                                "varlen: inputs copied with rows past cu_seqlens[-1] zeroed (FA4 reads up to a "
@@ -205,6 +216,13 @@ class Fa4Backend(dispatch.Backend):
                 r.append(f"head dims {d}/{dv} on sm_{major}0 (FA4 serves D, Dv <= 128, 192/128 or 256/256 there)")
             if major in (10, 11) and role == "bwd" and (d, dv) == (256, 256) and spec.return_lse:
                 r.append("a differentiated lse with head dim 256 on sm_100 (FA4's hd256 backward takes no dlse)")
+        if spec.kind == "dense" and spec.seqlen_q and spec.seqlen_k:
+            vis = Visibility.from_spec(spec)
+            sq, sk = spec.seqlen_q, spec.seqlen_k
+            if any(a >= b for a, b in (vis.key_range(0, 1), vis.key_range(sq - 1, sq))):
+                r.append("a row that sees no key (FA4 gave inf outputs there on an H100)")
+            elif any(a >= b for a, b in (vis.query_range(0, 1), vis.query_range(sk - 1, sk))):
+                r.append("a key that no row sees (FA4 gave inf gradients there on an H100)")
         # rows FA4 addresses: B * Sq dense; at most B * max_seqlen (plus a tile) varlen
         rows = spec.batch * max(spec.seqlen_q, spec.seqlen_k)
         heads = max(spec.heads_q, spec.heads_kv) * max(spec.head_dim, spec.head_dim_v)
