@@ -16,6 +16,9 @@ import pytest  # noqa: E402
 # The suite must not read the developer's own ~/.config/flashport/config.toml; tests that need a config
 # file point FLASHPORT_CONFIG at their own.
 os.environ.setdefault("FLASHPORT_CONFIG", os.path.join(os.path.dirname(__file__), "no-such-config.toml"))
+# blockwise's compiled CPU tile steps cost seconds of compile per process: off for the suite (and its subprocesses);
+# tests/test_tile_steps.py turns them on to check them against the eager steps.
+os.environ.setdefault("FLASHPORT_CPU_COMPILE", "0")
 
 
 @pytest.fixture(autouse=True)

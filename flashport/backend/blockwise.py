@@ -22,7 +22,7 @@ portable fallback, not the fast path on a GPU.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 import torch
@@ -33,6 +33,7 @@ from ..dropout import dense_keep_mask, keep_mask
 from ..masks import Visibility, alibi_bias
 from ..programmable import FEATURES
 from ..spec import AttnInputs, AttnSpec
+from . import tile_steps
 
 # Tile sizes.  Module attributes (read at each call) so tests can shrink them to exercise
 # multi-tile paths on small shapes.  A [BLOCK_M * G, BLOCK_N] float32 tile of 128 x 512 is 256 KiB:
@@ -184,6 +185,27 @@ def _slopes5(alibi: Optional[torch.Tensor], heads_kv: int, cd) -> Optional[torch
     return alibi.to(cd).view(b, heads_kv, hq // heads_kv, 1, 1)
 
 
+def _plain_steps(opt: _Tiling, slopes, prog, device, scores: int, rows: int):
+    """(forward step, backward step, BLOCK_M, BLOCK_N) of a call: tile_steps' for a call whose tiles are plain (no
+    softcap, ALiBi, dropout or mods: the scores are scale * q.k and the built-in mask), else None steps and the
+    general loop below serves it.  rows = B * Hq (for _fit)."""
+    if opt.softcap > 0 or slopes is not None or prog is not None or opt.dropout_p > 0:
+        return (None, None, *_fit(opt, rows, prog))
+    fwd, bwd, compiled = tile_steps.steps(device, scores)
+    if compiled:
+        opt = replace(opt, block_m=max(opt.block_m, tile_steps.BLOCK_M))
+    return (fwd, bwd, *_fit(opt, rows))
+
+
+def _hidden(vis: Visibility, m0: int, m1: int, n0: int, n1: int, g: int, device) -> Optional[torch.Tensor]:
+    """bool [G * BM, BN] of the pairs the built-in rule hides in a tile (rows stacked per group as in _rows), or
+    None when it hides none."""
+    if vis.tile_is_full(m0, m1, n0, n1):
+        return None
+    hidden = ~vis.sees(torch.arange(m0, m1, device=device)[:, None], torch.arange(n0, n1, device=device)[None, :])
+    return hidden.repeat(g, 1) if g > 1 else hidden
+
+
 def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b0: int = 0, prog=None):
     """One dense problem.  q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv]; alibi [B, Hq]
     float32 or None; b0 = batch index of q[0] (dropout counters); prog: the programmable mods or None.
@@ -199,7 +221,7 @@ def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b
     slopes = _slopes5(alibi, hkv, cd)
     out = torch.zeros(b, hkv, g, sq, dv, dtype=cd, device=q.device)
     lse = torch.full((b, hkv, g, sq), _NEG_INF, dtype=cd, device=q.device)
-    block_m, block_n = _fit(opt, b * hq, prog)
+    step, _, block_m, block_n = _plain_steps(opt, slopes, prog, q.device, b * hq * sq * sk, b * hq)
     vis = Visibility(sq, sk, opt.left, opt.right)
     for m0 in range(0, sq, block_m):
         m1 = min(m0 + block_m, sq)
@@ -212,6 +234,10 @@ def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b
         acc = torch.zeros(*q_t.shape[:3], dv, dtype=cd, device=q.device)
         for n0 in range(lo, hi, block_n):
             n1 = min(n0 + block_n, hi)
+            if step is not None:   # plain tile: tile_steps (compiled on a CPU where it pays)
+                m_i, l_i, acc = step(q_t, kh[:, :, n0:n1], vh[:, :, n0:n1], m_i, l_i, acc, opt.scale,
+                                     _hidden(vis, m0, m1, n0, n1, g, q.device))
+                continue
             tile = "partial" if prog is None else prog.tile(m0, m1, n0, n1)
             if tile == "empty":
                 continue
@@ -265,7 +291,7 @@ def backward_tiles(do, q, k, v, out, lse, dlse, opt: _Tiling, alibi: Optional[to
     dq = torch.zeros(b, hkv, g, sq, d, dtype=cd, device=q.device)
     dk = torch.zeros(b, hkv, sk, d, dtype=cd, device=q.device)
     dvh = torch.zeros(b, hkv, sk, dv, dtype=cd, device=q.device)
-    block_m, block_n = _fit(opt, b * hq, prog)
+    _, step, block_m, block_n = _plain_steps(opt, slopes, prog, q.device, b * hq * sq * sk, b * hq)
     vis = Visibility(sq, sk, opt.left, opt.right)
     dextras = [None] * (0 if prog is None else len(prog.differentiable))
     for n0 in range(0, sk, block_n):
@@ -274,6 +300,13 @@ def backward_tiles(do, q, k, v, out, lse, dlse, opt: _Tiling, alibi: Optional[to
         k_t, v_t = kh[:, :, n0:n1], vh[:, :, n0:n1]
         for m0 in range(lo, hi, block_m):
             m1 = min(m0 + block_m, hi)
+            if step is not None:   # plain tile: tile_steps (compiled on a CPU where it pays)
+                gq, gk, gv = step(_rows(qh, m0, m1), k_t, v_t, _rows(doh, m0, m1), _rows(lse_h, m0, m1),
+                                  _rows(delta, m0, m1), opt.scale, _hidden(vis, m0, m1, n0, n1, g, q.device))
+                dq[:, :, :, m0:m1] += gq.view(b, hkv, g, m1 - m0, d)
+                dk[:, :, n0:n1] += gk
+                dvh[:, :, n0:n1] += gv
+                continue
             tile = "partial" if prog is None else prog.tile(m0, m1, n0, n1)
             if tile == "empty":
                 continue

@@ -5,11 +5,11 @@ forward non-causal over S, and at one size forward causal, forward+backward caus
 (SDPA has no window: its cell is "not-served" with the reason).  The thread count is recorded per cell.
 
 Each (S, implementation) runs in a fresh subprocess so that its peak memory is its own: the
-worker makes its inputs, reads its resident set size, runs the call once and reports the growth
-of the process's peak RSS (getrusage ru_maxrss) over that -- the call's working memory including
-its output.  Large allocations come straight from mmap and go back to the OS on free, so earlier
-work does not hide a peak; a warm-up on a tiny size happens before the baseline.  The naive
-path is skipped, and reported as "OOM-skipped", where its two S x S float32 buffers would not fit
+worker makes its inputs, runs the call once (timed as first_s: a compile lands there), resets the process's
+high-water mark (clear_refs) and reports the peak resident set (VmHWM) of a second call over the resident set
+before it -- the call's working memory including its output.  Large allocations come straight from mmap and go
+back to the OS on free, so earlier work does not hide a peak.  The
+naive path is skipped, and reported as "OOM-skipped", where its two S x S float32 buffers would not fit
 in half the available memory.  Errors: against float64 exact math for small S, and the two
 implementations against each other for every S where both ran.
 """
@@ -73,7 +73,22 @@ def _rss() -> int:
 
 
 def _maxrss() -> int:
+    """The process's peak resident set (VmHWM; getrusage's ru_maxrss carries a vforked parent's peak across exec)."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * _KB
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * _KB
+
+
+def _reset_peak() -> bool:
+    """Reset VmHWM to the current RSS (Linux >= 4.0: clear_refs 5); False where that is not possible."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
 
 
 def worker(cfg: CpuConfig, out_path: str) -> dict:
@@ -123,18 +138,27 @@ def worker(cfg: CpuConfig, out_path: str) -> dict:
     rec.update(peak_extra_mb=(max1 - rss0) / 2**20, rss_before_mb=rss0 / 2**20,
                maxrss_before_mb=max0 / 2**20, maxrss_after_mb=max1 / 2**20)
     rec["first_s"] = first
+    # The first call may compile (blockwise's CPU tile steps): its peak includes the compiler's own memory.  The
+    # call's working memory is the second call's peak, from a reset high-water mark.
+    rss1 = _rss()
+    if _reset_peak():
+        step(q, k, v, do)
+        rec["first_call_peak_extra_mb"] = rec["peak_extra_mb"]
+        rec["peak_extra_mb"] = (_maxrss() - rss1) / 2**20
     rec["time_s"], rec["median_s"], rec["runs"] = cpu_best_s(lambda: step(q, k, v, do), first)
     if cfg.impl in ("flashport", "blockwise") and not sdpa_reasons(cfg):
         # The ratio to SDPA-CPU from runs alternated in this one process: separate processes minutes apart see
         # different loads on a shared machine (the same kernel measured 0.5x-1.3x of itself that way).
         peer = _impl(replace(cfg, impl="sdpa-cpu"), scale)
         mine, theirs = [], []
-        for _ in range(3):
+        # alternated rounds until each side has run ~1 s (at least 3, at most 25): the minimum of many short runs
+        while len(mine) < 3 or (len(mine) < 25 and sum(mine) + sum(theirs) < 2.0):
             for fn, acc in ((impl, mine), (peer, theirs)):
                 t0 = time.perf_counter()
                 run_step(fn, q, k, v, do)
                 acc.append(time.perf_counter() - t0)
-        rec["paired"] = {"self_s": min(mine), "sdpa_cpu_s": min(theirs), "vs_sdpa_cpu": min(theirs) / min(mine)}
+        rec["paired"] = {"self_s": min(mine), "sdpa_cpu_s": min(theirs), "vs_sdpa_cpu": min(theirs) / min(mine),
+                         "rounds": len(mine)}
     if cfg.s <= cfg.fp64_check_max_s:
         left, right = cfg.window
         ref, _ = materialized_attention(q.detach(), k.detach(), v.detach(), scale=scale, left=left,
@@ -143,6 +167,9 @@ def worker(cfg: CpuConfig, out_path: str) -> dict:
     torch.save(out.contiguous(), out_path)
     rec["threads"] = torch.get_num_threads()
     rec["omp_wait_policy"] = os.environ.get("OMP_WAIT_POLICY")
+    if cfg.impl in ("flashport", "blockwise"):
+        from flashport.backend import tile_steps
+        rec["cpu_compile"] = tile_steps.status()
     return rec
 
 

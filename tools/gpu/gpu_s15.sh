@@ -4,7 +4,8 @@
 #   PART=a (carry .fa4a): FA4 step 1; issue [15]'s flex diagnosis (graph breaks and recompiles, one case at a
 #          time), its GPU tier (mods fuzz on blockwise and flex, recompiles, auto) and the programmable probe
 #   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; issue [14]'s fa4 info, compile time, probes, check grid
-#          and fuzz (tools/gpu/fa4_check.sh); the workloads suite with FA4 among the peers
+#          and fuzz (tools/gpu/fa4_check.sh); the standard grid's long cells (WORKLOADS=1: the workloads suite)
+#          with FA4 among the peers
 #   PART=c (no carry, warm after b: FA4 stays installed under /tmp): the standard suite with FA4 among the peers
 set -uo pipefail
 cd "$(dirname "$0")/../.."
@@ -23,14 +24,27 @@ a)
   echo "programmable tier rc=$?"; grep -E "passed|failed|^FAILED|^E " "$R/programmable_gpu.log" | head -20
   timeout ${PROBE_SECONDS:-150} python tools/gpu/programmable_probe.py --out "$R/programmable_probe.json" \
       > "$R/programmable_probe.log" 2>&1; echo "probe rc=$?"; grep '^{' "$R/programmable_probe.log" | cut -c1-400
+  # blockwise's plain tiles now run through tile_steps (eager on a GPU): the fuzz tier on it
+  timeout ${BW_SECONDS:-90} python -m flashport.fuzz --backend blockwise --device cuda --n ${BW_N:-200} \
+      --dtype bfloat16,float16,float32 --max-seconds $(( ${BW_SECONDS:-90} - 20 )) --log "$R/blockwise_fuzz.jsonl" \
+      2>&1 | tail -25 > "$R/blockwise_fuzz.log"; echo "blockwise fuzz rc=${PIPESTATUS[0]}"; head -12 "$R/blockwise_fuzz.log"
   ;;
 b)
   bash .fa4b/install.sh 2>&1 | tail -3 | tee "$R/fa4_install.log"; fa4_path
   OUT=$R/fa4 PROBE_SECONDS=75 CHECK_SECONDS=${CHECK_SECONDS:-110} FUZZ_SECONDS=${FUZZ_SECONDS:-70} \
       timeout 330 bash tools/gpu/fa4_check.sh > "$R/fa4_run.log" 2>&1; echo "fa4 rc=$?"
   grep -E "rc=|compile|PASS|FAIL|summary|passed|failed" "$R/fa4_run.log" | head -40
-  OUT=$R/workloads BENCH_SECONDS=${BENCH_SECONDS:-190} bash tools/gpu/gpu_issue8.sh > "$R/workloads_run.log" 2>&1
-  echo "workloads rc=$?"; tail -25 "$R/workloads_run.log"
+  if [ "${WORKLOADS:-0}" = 1 ]; then
+    OUT=$R/workloads BENCH_SECONDS=${BENCH_SECONDS:-190} bash tools/gpu/gpu_issue8.sh > "$R/workloads_run.log" 2>&1
+    echo "workloads rc=$?"; tail -25 "$R/workloads_run.log"
+  else   # the standard grid's long cells (S >= 4k), FA4 among the peers
+    mkdir -p "$R/standard"; export FLASHPORT_CACHE_DIR=$R/cache
+    timeout ${BENCH_SECONDS:-200} python -m flashport bench --suite standard --match "${MATCH:-s(4096|8192|16384)}" \
+        --peers flashport,fa4,sdpa-cudnn,flex --out "$R/standard" 2>&1 \
+        | grep -v "sdp_utils\|warnings.warn\|aux_data\|exe_args" > "$R/standard/bench_standard.log"
+    echo "standard rc=${PIPESTATUS[0]}"; python tools/gpu/ratio_summary.py "$R/standard/bench_standard.json" | tail -30
+    rm -rf "$R/cache"
+  fi
   ;;
 c)
   fa4_path; mkdir -p "$R/standard"; export FLASHPORT_CACHE_DIR=$R/cache
