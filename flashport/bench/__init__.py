@@ -19,7 +19,7 @@ import os
 import re
 import time
 
-SUITES = ("auto", "cpu", "standard", "models", "workloads", "long", "decode")
+SUITES = ("auto", "cpu", "standard", "models", "workloads", "long", "decode", "programmable")
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -95,6 +95,8 @@ def run(args: argparse.Namespace) -> int:
             return 2
         from . import gpu, peers
         from .shapes import gpu_suite
+        if suite == "programmable":
+            return _programmable(device, args, stem, t0, load0)
         from .timing import ceilings
         impls = [s.strip() for s in args.peers.split(",")] if args.peers else list(peers.DENSE)
         unknown = [i for i in impls if i not in peers.DENSE]
@@ -141,6 +143,32 @@ def run(args: argparse.Namespace) -> int:
         print("ceilings: " + ", ".join(f"{k}={v}" for k, v in ceil.items()))
     if doc.get("flashport_first_call_s") is not None:
         print(f"first flashport call (compile + autotune): {doc['flashport_first_call_s']:.2f} s")
+    print(f"wrote {json_path} and {png_path} ({doc['wall_s']} s)")
+    return 0
+
+
+def _programmable(device, args, stem, t0, load0) -> int:
+    import torch
+
+    from . import programmable, report
+    impls = [s.strip() for s in args.peers.split(",")] if args.peers else list(programmable.DEFAULT_IMPLS)
+    unknown = [i for i in impls if i not in programmable.IMPLS]
+    if unknown:
+        print(f"flashport bench: unknown implementation(s) {unknown}; known: {', '.join(programmable.IMPLS)}")
+        return 2
+    if device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    n = len(programmable.cases(device, args.quick)) * len(impls)
+    bar, tick = _progress(n, "programmable: flashport vs Flex")
+    entries = programmable.run_suite(device, args.quick, impls, tick)
+    if bar is not None:
+        bar.close()
+    doc = report.document("programmable", device, entries, {}, time.perf_counter() - t0)
+    doc["environment"]["loadavg_at_start"] = load0
+    json_path, png_path = (os.path.join(args.out, stem + ext) for ext in (".json", ".png"))
+    report.write_json(doc, json_path)
+    programmable.plot(doc, png_path)
+    print(programmable.table(entries))
     print(f"wrote {json_path} and {png_path} ({doc['wall_s']} s)")
     return 0
 

@@ -22,8 +22,10 @@ a)
   FLASHPORT_MODS_FUZZ_N=${MODS_N:-300} timeout ${PROG_SECONDS:-150} python -m pytest -q -p no:logging -p no:cacheprovider \
       --tb=short tests/gpu/test_programmable_gpu.py > "$R/programmable_gpu.log" 2>&1
   echo "programmable tier rc=$?"; grep -E "passed|failed|^FAILED|^E " "$R/programmable_gpu.log" | head -20
-  timeout ${PROBE_SECONDS:-150} python tools/gpu/programmable_probe.py --out "$R/programmable_probe.json" \
-      > "$R/programmable_probe.log" 2>&1; echo "probe rc=$?"; grep '^{' "$R/programmable_probe.log" | cut -c1-400
+  mkdir -p "$R/programmable"
+  timeout ${PROBE_SECONDS:-150} python -m flashport bench --suite programmable --out "$R/programmable" \
+      --peers ${PROG_PEERS:-flashport-flex,flex,builtin,sdpa-mask} > "$R/programmable/bench.log" 2>&1
+  echo "programmable suite rc=$?"; grep -v "Warning\|warn" "$R/programmable/bench.log" | tail -40
   # blockwise's plain tiles now run through tile_steps (eager on a GPU): the fuzz tier on it
   timeout ${BW_SECONDS:-90} python -m flashport.fuzz --backend blockwise --device cuda --n ${BW_N:-200} \
       --dtype bfloat16,float16,float32 --max-seconds $(( ${BW_SECONDS:-90} - 20 )) --log "$R/blockwise_fuzz.jsonl" \
@@ -31,6 +33,17 @@ a)
   ;;
 b)
   bash .fa4b/install.sh 2>&1 | tail -3 | tee "$R/fa4_install.log"; fa4_path
+  if [ "${SHORT:-0}" = 1 ]; then   # the re-check of the narrowed fa4 capabilities, then FA4's columns of the programmable suite
+    export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_kernel_cache
+    timeout ${CHECK_SECONDS:-120} python tools/gpu/fa4_check.py check --dtype bfloat16 2>&1 \
+        | grep -v "aux_data\|exe_args\|UserWarning" > "$R/fa4_check.log"; echo "fa4 check rc=${PIPESTATUS[0]}"
+    grep -E "PASS|FAIL" "$R/fa4_check.log" | grep -v "^fa4" | head -20; tail -4 "$R/fa4_check.log"
+    mkdir -p "$R/programmable"
+    timeout ${PROBE_SECONDS:-120} python -m flashport bench --suite programmable --out "$R/programmable" \
+        --peers flashport-flex,flex-flash,fa4 2>&1 | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
+    echo "programmable (FA4 columns) rc=${PIPESTATUS[0]}"; tail -30 "$R/programmable/bench.log"
+    tar -C /tmp -czf "$OUT/$PART.tgz" "s15_$PART" && ls -la "$OUT"; exit 0
+  fi
   OUT=$R/fa4 PROBE_SECONDS=75 CHECK_SECONDS=${CHECK_SECONDS:-110} FUZZ_SECONDS=${FUZZ_SECONDS:-70} \
       timeout 330 bash tools/gpu/fa4_check.sh > "$R/fa4_run.log" 2>&1; echo "fa4 rc=$?"
   grep -E "rc=|compile|PASS|FAIL|summary|passed|failed" "$R/fa4_run.log" | head -40
