@@ -62,10 +62,15 @@ def relative_position(table: torch.Tensor):
     """A learnable relative-position bias (T5 / Swin style): score + table[h, bucket(q_idx - kv_idx)].
     table: float [Hq, num_buckets]; distances are clamped into the table, centred on bucket num_buckets // 2.
     With table.requires_grad the table receives its gradient."""
-    half = table.shape[-1] // 2
+    # The clamp bounds are 0-d tensors, not ints: compiled Flex under dynamic=True turns the ints a mod reads
+    # (from a closure or table.shape) into symbolic sizes, which Inductor's Flex lowering cannot take
+    # ("'ShapeAsConstantBuffer' object has no attribute 'dtype'", H100, torch 2.11); tensors are captured buffers.
+    n = int(table.shape[-1])
+    lo = torch.tensor(-(n // 2), device=table.device)
+    hi = torch.tensor(n - 1 - n // 2, device=table.device)
 
     def score_mod(score, b, h, q_idx, kv_idx):
-        bucket = (q_idx - kv_idx).clamp(-half, table.shape[-1] - 1 - half) + half
+        bucket = torch.minimum(torch.maximum(q_idx - kv_idx, lo), hi) - lo
         return score + table[h, bucket]
     return score_mod
 

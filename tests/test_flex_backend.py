@@ -146,3 +146,19 @@ def test_new_lengths_and_batches_compile_nothing(traced_flex):
     for sq in (32, 64):
         _grads("flex", sq, 1, kw, (table,))
     assert traced_flex.frame_count <= first + 1
+
+
+def test_ready_made_score_mods_lower_in_inductor_with_dynamic_shapes():
+    """Inductor's Flex lowering (here its CPU template, forward) under dynamic=True: a mod whose ints become symbolic
+    sizes fails there ("'Mul' object has no attribute 'get_name'" on a CPU, "'ShapeAsConstantBuffer' object has no
+    attribute 'dtype'" on an H100) -- the learnable table's clamp bounds did, before they became tensors."""
+    compiled = torch.compile(fa.flex_attention, dynamic=True)
+    torch._dynamo.reset()
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 16, generator=g) for _ in range(3))
+    table = torch.randn(2, 33, generator=g)
+    for mod in (mods.relative_position(table), mods.alibi(torch.rand(2, generator=g))):
+        out = compiled(q, k, v, score_mod=mod)
+        ref = flashport.attention(*(t.transpose(1, 2) for t in (q, k, v)), score_mod=mod, backend="reference")
+        torch.testing.assert_close(out, ref.transpose(1, 2), rtol=0, atol=1e-5)
+    torch._dynamo.reset()
