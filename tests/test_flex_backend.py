@@ -162,3 +162,16 @@ def test_ready_made_score_mods_lower_in_inductor_with_dynamic_shapes():
         ref = flashport.attention(*(t.transpose(1, 2) for t in (q, k, v)), score_mod=mod, backend="reference")
         torch.testing.assert_close(out, ref.transpose(1, 2), rtol=0, atol=1e-5)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("block_size", [16, 8, 32])   # aligned with Flex's (test) block of 16, finer, coarser
+def test_block_sparse_user_tiles(eager_flex, block_size):
+    """The user's empty tiles hide their pairs whether they align with Flex's blocks (then only listed blocks
+    carry them) or not (then the elementwise mask does)."""
+    n = -(-48 // block_size)
+    bm = flashport.create_block_mask(mods.block_sparse(n, n, block_size, density=0.4, seed=3), None, None, 48, 48,
+                                     block_size=block_size)
+    (q, k, v), (spec, inputs), opts = _call(48, 48, block_mask=bm)
+    out, lse = flex.FlexBackend().run(spec, inputs)
+    ref, ref_lse = flashport.attention(q, k, v, backend="reference", **opts)
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)

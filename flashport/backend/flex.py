@@ -20,6 +20,7 @@ materialises the scores, the silent O(S^2) fallback flashport never takes.  Prog
 """
 from __future__ import annotations
 
+import functools
 from collections import OrderedDict
 
 import torch
@@ -119,18 +120,34 @@ def _block_mask(spec: AttnSpec, inputs: AttnInputs, lengths: tuple):
     tiles = None if user_blocks is None else user_blocks.state
     qb, kb = (1, 1) if user_blocks is None else user_blocks.block_size
     rule = Visibility(*lengths, left, right)      # lengths as tensors: the rule's own sees()
+    bounded = left >= 0 or right >= 0             # without bounds the rule hides nothing inside the lengths
 
-    def mask_mod(b, h, q_idx, kv_idx):
-        ok = rule.sees(q_idx, kv_idx)
-        if tiles is not None:
-            ok = ok & (tiles[b if per_b else 0, h if per_h else 0, q_idx // qb, kv_idx // kb] != 0)
-        if user_mask is not None:
-            ok = ok & user_mask(b, h, q_idx, kv_idx)
-        return ok
+    def visibility(with_tiles):
+        def mask_mod(b, h, q_idx, kv_idx):
+            ok = rule.sees(q_idx, kv_idx) if bounded else None
+            if with_tiles:
+                t = tiles[b if per_b else 0, h if per_h else 0, q_idx // qb, kv_idx // kb] != 0
+                ok = t if ok is None else ok & t
+            if user_mask is not None:
+                u = user_mask(b, h, q_idx, kv_idx)
+                ok = u if ok is None else ok & u
+            return ok
+        return mask_mod
+
+    # The block states come from every term.  Flex evaluates its mask_mod on each element of a partial block, so
+    # the user's tiles are left out of it where they align with Flex's blocks: then a tile's state is constant on
+    # each Flex block, and empty ones are never listed.
+    aligned = qb % BLOCK == 0 and kb % BLOCK == 0
+    with_tiles = tiles is not None and not aligned
+    elementwise = visibility(with_tiles) if (bounded or with_tiles or user_mask is not None) else None
+
+    if not (bounded or tiles is not None or user_mask is not None):
+        return None                                 # every pair visible: Flex's dense path
 
     from torch.nn.attention.flex_attention import BlockMask
-    ours = create_block_mask(mask_mod, spec.batch if per_b else None, spec.heads_q if per_h else None,
-                             spec.seqlen_q, spec.seqlen_k, device=spec.device, block_size=BLOCK)
+    ours = create_block_mask(visibility(tiles is not None), spec.batch if per_b else None,
+                             spec.heads_q if per_h else None, spec.seqlen_q, spec.seqlen_k, device=spec.device,
+                             block_size=BLOCK)
     partial, full = ours.state == 1, ours.state == 2
 
     def listed(sel):
@@ -142,11 +159,18 @@ def _block_mask(spec: AttnSpec, inputs: AttnInputs, lengths: tuple):
     kv_num, kv_idx = listed(partial)
     full_num, full_idx = listed(full)
     flex_mask = BlockMask.from_kv_blocks(kv_num, kv_idx, full_num, full_idx, BLOCK_SIZE=(BLOCK, BLOCK),
-                                         mask_mod=mask_mod, seq_lengths=(spec.seqlen_q, spec.seqlen_k))
+                                         mask_mod=elementwise, seq_lengths=(spec.seqlen_q, spec.seqlen_k))
     _BLOCK_MASKS[key] = (flex_mask, user_mask, user_blocks)   # the ids in the key stay those objects' ids
     while len(_BLOCK_MASKS) > BLOCK_MASK_CACHE:
         _BLOCK_MASKS.popitem(last=False)
     return flex_mask
+
+
+@functools.lru_cache(maxsize=64)
+def _lengths(sq: int, sk: int, device: torch.device) -> tuple:
+    """(Sq, Sk) as 0-d tensors on the device, made once per (Sq, Sk, device): a fresh torch.tensor(n, device=cuda)
+    per call is a host-to-device copy that waits for the GPU, so each call would wait for the one before."""
+    return torch.tensor(sq, device=device), torch.tensor(sk, device=device)
 
 
 class FlexBackend(dispatch.Backend):
@@ -183,7 +207,7 @@ class FlexBackend(dispatch.Backend):
 
     def run(self, spec: AttnSpec, inputs: AttnInputs):
         q, k, v = (t.transpose(1, 2) for t in (inputs.q, inputs.k, inputs.v))      # [B, H, S, D] views
-        lengths = (torch.tensor(spec.seqlen_q, device=q.device), torch.tensor(spec.seqlen_k, device=q.device))
+        lengths = _lengths(spec.seqlen_q, spec.seqlen_k, q.device)
         # Each distinct mod is one more compiled graph.  Past Dynamo's recompile limit, compiled Flex would fall
         # back to eager Flex, which materialises the scores: FlexAttention's known silent O(S^2) failure.  A
         # larger limit for this call, and an error instead of that fallback.
