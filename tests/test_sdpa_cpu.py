@@ -106,3 +106,38 @@ def test_fuzzer_hits_it_hundreds_of_times():
     assert not bad, bad
     served = summary["by_variant"].get(f"backend:{NAME}", {}).get("cases", 0)
     assert served >= 300, summary["status"]
+
+
+# ----------------------------------------------------------------------------- varlen: one kernel call per sequence
+@pytest.mark.parametrize("lens_q,lens_k,causal", [
+    ([5, 17, 3], [5, 17, 3], False),
+    ([0, 1, 9, 0, 20], [4, 1, 0, 0, 33], True),        # zero-length sequences, length 1, no keys
+    ([7, 30, 2], [19, 11, 40], True),                  # Sq < Sk (merged parts) and Sq > Sk (rows without keys)
+], ids=str)
+def test_varlen_matches_per_sequence_dense_with_gradients(lens_q, lens_k, causal):
+    from test_varlen import packed, per_sequence, run_varlen
+    q, k, v = packed(lens_q, lens_k, hq=4, hkv=2, pad_q=3, pad_k=5, seed=2)
+    tq, tk = sum(lens_q), sum(lens_k)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    dispatch.clear_cache()
+    out, lse = run_varlen(NAME, *leaves, lens_q, lens_k, causal=causal)
+    ref_leaves = [t[:n].double().requires_grad_() for t, n in zip((q, k, v), (tq, tk, tk))]
+    ref, ref_lse = per_sequence(*ref_leaves, lens_q, lens_k, causal=causal)
+    torch.testing.assert_close(out[:tq], ref.float(), rtol=1e-4, atol=1e-5)
+    assert torch.equal(out[tq:], torch.zeros_like(out[tq:])) and torch.isneginf(lse[:, tq:]).all()
+    assert torch.equal(torch.isneginf(lse[:, :tq]), torch.isneginf(ref_lse))
+    do = torch.randn(out.shape, generator=torch.Generator().manual_seed(0))
+    got = torch.autograd.grad(out, leaves, do)
+    want = torch.autograd.grad(ref, ref_leaves, do[:tq].double())
+    for g, w, n in zip(got, want, (tq, tk, tk)):
+        torch.testing.assert_close(g[:n], w.float(), rtol=1e-4, atol=1e-5)
+        assert not g[n:].any(), "padding must get zero gradient"
+
+
+def test_auto_takes_it_for_varlen_on_cpu():
+    q = torch.randn(10, 2, 16)
+    cu = torch.tensor([0, 4, 10], dtype=torch.int32)
+    from flashport.spec import varlen_spec
+    spec = varlen_spec(q, q, q, cu, cu, 6, 6, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                       alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)[0]
+    assert dispatch.select(spec).name == NAME

@@ -21,7 +21,8 @@ Causal alignment: the kernel's `is_causal` is top-left, flashport's is bottom-ri
 
 Refused (each with its reason): softmax_scale <= 0, a backward with softmax_scale > 1.5 / sqrt(D) (both
 measured to break the tolerance rule), windows, softcap, ALiBi, dropout (its RNG is not flashport's exposed keep-mask),
-Dv != D (the kernel's own check), varlen and KV cache.  A differentiated lse is served by a padded column
+Dv != D (the kernel's own check) and KV cache.  Varlen runs the same per sequence (cu_seqlens are CPU tensors
+here: no sync).  A differentiated lse is served by a padded column
 (see _bwd).
 """
 from __future__ import annotations
@@ -74,11 +75,10 @@ def _bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float):
     return tuple(_bhsd(x)[..., :d] for x in g)
 
 
-def _parts(spec: AttnSpec):
-    """The call as kernel calls: [(q rows, key range, is_causal)], rows/keys as (start, stop)."""
-    sq, sk = spec.seqlen_q, spec.seqlen_k
-    if spec.window_right != 0 or sq == sk:
-        return [((0, sq), (0, sk), spec.window_right == 0)]
+def _parts(sq: int, sk: int, causal: bool):
+    """A (Sq, Sk) problem as kernel calls: [(q rows, key range, is_causal)], rows/keys as (start, stop)."""
+    if not causal or sq == sk:
+        return [((0, sq), (0, sk), causal)]
     if sq > sk:   # rows [0, Sq - Sk) see nothing; the rest is square
         return [((sq - sk, sq), (0, sk), True)]
     return [((0, sq), (0, sk - sq), False), ((0, sq), (sk - sq, sk), True)]
@@ -94,19 +94,20 @@ def _merged(outs, lses, dtype):
 
 
 class SdpaCpuBackend(dispatch.Backend):
-    """PyTorch's CPU flash kernel (aten `_scaled_dot_product_flash_attention_for_cpu` and its backward): dense
-    attention, none or causal (bottom-right, exact for every Sq / Sk), GQA, any scale, fwd + bwd, `lse`.
+    """PyTorch's CPU flash kernel (aten `_scaled_dot_product_flash_attention_for_cpu` and its backward): dense and
+    varlen attention, none or causal (bottom-right, exact for every Sq / Sk), GQA, any scale, fwd + bwd, `lse`.
     Chosen automatically on CPU ahead of `blockwise` (measured faster there: flashport bench on a CPU)."""
 
     name = "sdpa-cpu"
     auto_devices = ("cpu",)
     state_family = "sdpa-cpu"   # private state: lse in the kernel's dtype (float64 for float64 inputs)
     caps = Capabilities(devices=("cpu",), dtypes=("float16", "bfloat16", "float32", "float64"),
-                        max_head_dim=None, dv_ne_d=False, kinds=("dense",), paged_kvcache=False,
+                        max_head_dim=None, dv_ne_d=False, kinds=("dense", "varlen"), paged_kvcache=False,
                         mask_kinds=("none", "causal"), softcap=False, alibi=False, dropout=False,
                         sdpa_flash_devices=("cpu",),
                         notes=("causal bottom-right: Sq < Sk as two kernel calls merged by lse, Sq > Sk by "
                                "skipping the rows that see no key",
+                               "varlen: one kernel call per sequence (cu_seqlens read on the host, a CPU tensor)",
                                "a differentiated lse: the backward adds one padded column (see _bwd)",
                                "deterministic=True served: its backward measured bitwise reproducible, GQA included (tests/test_sdpa_cpu.py)"))
 
@@ -129,43 +130,78 @@ class SdpaCpuBackend(dispatch.Backend):
 
     def forward(self, spec: AttnSpec, inputs: AttnInputs):
         q, k, v = inputs.q, inputs.k, inputs.v
-        b, sq, hq, _ = q.shape
+        causal, scale = spec.window_right == 0, spec.softmax_scale
+        if spec.kind == "dense":
+            return _forward(q, k, v, causal, scale)
+        # varlen: one kernel call (or two, bottom-right causal) per sequence; rows past cu_seqlens_q[-1] stay zero
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-        if b == 0 or sq == 0 or spec.seqlen_k == 0:   # nothing to attend: zeros, lse = -inf (the kernel gives NaN)
-            out = q.new_zeros(b, sq, hq, spec.head_dim_v)
-            lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
-            return out, lse.float(), lse
-        parts = _parts(spec)
-        if len(parts) == 1:
-            (m0, m1), (n0, n1), causal = parts[0]
-            o, l = _fwd(q[:, m0:m1], k[:, n0:n1], v[:, n0:n1], causal, spec.softmax_scale)
-            if m0 == 0:
-                return o, l.float(), l
-            out = q.new_zeros(b, sq, hq, spec.head_dim_v)
-            lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
-            out[:, m0:] = o
-            lse[:, :, m0:] = l
-            return out, lse.float(), lse
-        outs, lses = zip(*(_fwd(q, k[:, n0:n1], v[:, n0:n1], causal, spec.softmax_scale)
-                           for _, (n0, n1), causal in parts))
-        return _merged(outs, lses, q.dtype)
+        out = q.new_zeros(q.shape[0], spec.heads_q, spec.head_dim_v)
+        lse = torch.full((spec.heads_q, q.shape[0]), _NEG_INF, dtype=lse_dtype, device=q.device)
+        for q0, q1, k0, k1 in _segments(inputs):
+            o, _, l = _forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, scale)
+            out[q0:q1], lse[:, q0:q1] = o[0], l[0]
+        return out, lse.float(), lse
 
     def backward(self, spec: AttnSpec, inputs: AttnInputs, saved: dispatch.Saved, dout, dlse):
         q, k, v, out = saved.q, saved.k, saved.v, saved.out
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         lse = saved.private if saved.private is not None else saved.lse.to(lse_dtype)
-        if q.numel() == 0 or spec.seqlen_k == 0:
-            return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        causal, scale = spec.window_right == 0, spec.softmax_scale
         dout = dout.to(q.dtype)
-        parts = _parts(spec)
-        if len(parts) == 1 and parts[0][0][0] == 0:   # one kernel call over every row and key: its gradients as they are
-            return _bwd(dout, q, k, v, out, lse, dlse, parts[0][2], spec.softmax_scale)
+        if spec.kind == "dense":
+            return _backward(dout, q, k, v, out, lse, dlse, causal, scale)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for (m0, m1), (n0, n1), causal in parts:
-            gq, gk, gv = _bwd(dout[:, m0:m1], q[:, m0:m1], k[:, n0:n1], v[:, n0:n1], out[:, m0:m1],
-                              lse[:, :, m0:m1].contiguous(), None if dlse is None else dlse[:, :, m0:m1],
-                              causal, spec.softmax_scale)
-            dq[:, m0:m1] += gq
-            dk[:, n0:n1] = gk
-            dv[:, n0:n1] = gv
+        for q0, q1, k0, k1 in _segments(inputs):
+            g = _backward(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
+                          lse[None, :, q0:q1], None if dlse is None else dlse[None, :, q0:q1], causal, scale)
+            dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
         return dq, dk, dv
+
+
+def _segments(inputs: AttnInputs):
+    """(q0, q1, k0, k1) of each varlen sequence (CPU tensors: no sync)."""
+    cq, ck = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
+    return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+
+def _forward(q, k, v, causal: bool, scale: float):
+    """One dense problem [B, S, H, D] -> (out, lse float32, lse in the kernel's dtype)."""
+    b, sq, hq, _ = q.shape
+    sk, dv = k.shape[1], v.shape[3]
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    if b == 0 or sq == 0 or sk == 0:   # nothing to attend: zeros, lse = -inf (the kernel gives NaN)
+        out = q.new_zeros(b, sq, hq, dv)
+        lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
+        return out, lse.float(), lse
+    parts = _parts(sq, sk, causal)
+    if len(parts) == 1:
+        (m0, m1), (n0, n1), part_causal = parts[0]
+        o, l = _fwd(q[:, m0:m1], k[:, n0:n1], v[:, n0:n1], part_causal, scale)
+        if m0 == 0:
+            return o, l.float(), l
+        out = q.new_zeros(b, sq, hq, dv)
+        lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
+        out[:, m0:] = o
+        lse[:, :, m0:] = l
+        return out, lse.float(), lse
+    outs, lses = zip(*(_fwd(q, k[:, n0:n1], v[:, n0:n1], part_causal, scale) for _, (n0, n1), part_causal in parts))
+    return _merged(outs, lses, q.dtype)
+
+
+def _backward(dout, q, k, v, out, lse, dlse, causal: bool, scale: float):
+    """Gradients of one dense problem from its (out, lse in the kernel's dtype)."""
+    sq, sk = q.shape[1], k.shape[1]
+    if q.numel() == 0 or sk == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    parts = _parts(sq, sk, causal)
+    if len(parts) == 1 and parts[0][0][0] == 0:   # one kernel call over every row and key: its gradients as they are
+        return _bwd(dout, q, k, v, out, lse, dlse, parts[0][2], scale)
+    dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    for (m0, m1), (n0, n1), part_causal in parts:
+        gq, gk, gv = _bwd(dout[:, m0:m1], q[:, m0:m1], k[:, n0:n1], v[:, n0:n1], out[:, m0:m1],
+                          lse[:, :, m0:m1].contiguous(), None if dlse is None else dlse[:, :, m0:m1],
+                          part_causal, scale)
+        dq[:, m0:m1] += gq
+        dk[:, n0:n1] = gk
+        dv[:, n0:n1] = gv
+    return dq, dk, dv
