@@ -20,6 +20,11 @@ SERVED = [
     Case(b=1, sq=127, sk=257, hq=4, hkv=1, d=64),                      # MQA, non-causal Sq != Sk
     Case(b=2, sq=17, sk=33, hq=4, hkv=2, d=48, noncontig=True, causal=True),
     Case(b=1, sq=29, sk=29, hq=2, hkv=2, d=96, scale=0.15, causal=True),
+    # windows: row bands of BAND_M with an additive mask (a 1-row band below), rows and keys nobody sees included
+    Case(b=2, sq=40, sk=40, hq=4, hkv=2, d=32, window=(5, 0)),
+    Case(b=1, sq=37, sk=70, hq=2, hkv=1, d=16, window=(3, 2)),
+    Case(b=1, sq=70, sk=21, hq=2, hkv=2, d=16, window=(4, 1)),         # Sq > Sk: rows that see no key
+    Case(b=1, sq=33, sk=33, hq=2, hkv=2, d=16, window=(-1, 6)),        # right bound only
 ]
 
 
@@ -56,7 +61,7 @@ def _spec(**kw):
     return dense_spec(q, k, v, **args)[0]
 
 
-@pytest.mark.parametrize("kw,why", [(dict(window_size=(3, 0)), "mask kind 'window'"), (dict(softcap=5.0), "softcap"),
+@pytest.mark.parametrize("kw,why", [(dict(softcap=5.0), "softcap"),
                                     (dict(alibi_slopes=torch.rand(2)), "ALiBi"), (dict(dropout_p=0.1), "dropout"),
                                     (dict(dv=8), "Dv != D"), (dict(softmax_scale=-0.2), "softmax_scale")])
 def test_refusals_say_why_and_auto_goes_to_blockwise(kw, why):
@@ -141,3 +146,12 @@ def test_auto_takes_it_for_varlen_on_cpu():
     spec = varlen_spec(q, q, q, cu, cu, 6, 6, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                        alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)[0]
     assert dispatch.select(spec).name == NAME
+
+
+@pytest.mark.parametrize("band", [8, 256])
+def test_windows_in_several_bands(band, monkeypatch):
+    """The banded path at a band height that splits the rows (8) and one that does not (256)."""
+    from flashport.backend import sdpa_cpu
+    monkeypatch.setattr(sdpa_cpu, "BAND_M", band)
+    for case in SERVED[-4:]:
+        check_dense(NAME, case)

@@ -33,9 +33,12 @@ import torch
 
 from .. import dispatch
 from ..capabilities import Capabilities
+from ..masks import Visibility
 from ..spec import AttnInputs, AttnSpec
 
 _NEG_INF = float("-inf")
+# Query rows per kernel call of a windowed call (each call takes the keys its rows see, with an additive mask).
+BAND_M = 256
 # The backward is served for softmax_scale * sqrt(D) up to this (see own_reasons).
 BWD_MAX_SCALE_RATIO = 1.5
 
@@ -50,14 +53,15 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)   # [B, S, H, D] -> [B, H, S, D], a view
 
 
-def _fwd(q, k, v, causal: bool, scale: float):
-    """One kernel call on [B, S, H, D] tensors -> (out [B, Sq, Hq, D], lse [B, Hq, Sq])."""
+def _fwd(q, k, v, causal: bool, scale: float, mask=None):
+    """One kernel call on [B, S, H, D] tensors -> (out [B, Sq, Hq, D], lse [B, Hq, Sq]); mask: additive [1, 1, Sq, Sk]
+    in q's dtype (the kernel's attn_mask) or None."""
     fwd, _ = _ops()
-    out, lse = fwd(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, scale=scale)
+    out, lse = fwd(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, attn_mask=mask, scale=scale)
     return _bhsd(out), lse
 
 
-def _bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float):
+def _bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, mask=None):
     """The kernel's backward; dlse [B, Hq, Sq] or None (a returned lse that is differentiated).
 
     The kernel computes dS = P * (dP - D) with D = rowsum(dO * O) and has no lse-gradient input; the exact
@@ -71,7 +75,7 @@ def _bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float):
         q, k, v = (pad(x, (0, 1)) for x in (q, k, v))
         out = torch.cat([out, -dlse.transpose(1, 2)[..., None].to(out.dtype)], -1)
         do = pad(do, (0, 1), value=1.0)
-    g = bwd(_bhsd(do), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, causal, scale=scale)
+    g = bwd(_bhsd(do), _bhsd(q), _bhsd(k), _bhsd(v), _bhsd(out), lse, 0.0, causal, attn_mask=mask, scale=scale)
     return tuple(_bhsd(x)[..., :d] for x in g)
 
 
@@ -82,6 +86,13 @@ def _parts(sq: int, sk: int, causal: bool):
     if sq > sk:   # rows [0, Sq - Sk) see nothing; the rest is square
         return [((sq - sk, sq), (0, sk), True)]
     return [((0, sq), (0, sk - sq), False), ((0, sq), (sk - sq, sk), True)]
+
+
+def _additive(seen, dtype):
+    """The kernel's attn_mask [1, 1, M, N] in q's dtype (it takes no bool mask): 0 where seen, -inf elsewhere."""
+    if seen is None:
+        return None
+    return torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, _NEG_INF)[None, None]
 
 
 def _merged(outs, lses, dtype):
@@ -103,7 +114,7 @@ class SdpaCpuBackend(dispatch.Backend):
     state_family = "sdpa-cpu"   # private state: lse in the kernel's dtype (float64 for float64 inputs)
     caps = Capabilities(devices=("cpu",), dtypes=("float16", "bfloat16", "float32", "float64"),
                         max_head_dim=None, dv_ne_d=False, kinds=("dense", "varlen"), paged_kvcache=False,
-                        mask_kinds=("none", "causal"), softcap=False, alibi=False, dropout=False,
+                        mask_kinds=("none", "causal", "window"), softcap=False, alibi=False, dropout=False,
                         sdpa_flash_devices=("cpu",),
                         notes=("causal bottom-right: Sq < Sk as two kernel calls merged by lse, Sq > Sk by "
                                "skipping the rows that see no key",
@@ -130,7 +141,7 @@ class SdpaCpuBackend(dispatch.Backend):
 
     def forward(self, spec: AttnSpec, inputs: AttnInputs):
         q, k, v = inputs.q, inputs.k, inputs.v
-        causal, scale = spec.window_right == 0, spec.softmax_scale
+        causal, scale = (spec.window_left, spec.window_right), spec.softmax_scale
         if spec.kind == "dense":
             return _forward(q, k, v, causal, scale)
         # varlen: one kernel call (or two, bottom-right causal) per sequence; rows past cu_seqlens_q[-1] stay zero
@@ -146,7 +157,7 @@ class SdpaCpuBackend(dispatch.Backend):
         q, k, v, out = saved.q, saved.k, saved.v, saved.out
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         lse = saved.private if saved.private is not None else saved.lse.to(lse_dtype)
-        causal, scale = spec.window_right == 0, spec.softmax_scale
+        causal, scale = (spec.window_left, spec.window_right), spec.softmax_scale
         dout = dout.to(q.dtype)
         if spec.kind == "dense":
             return _backward(dout, q, k, v, out, lse, dlse, causal, scale)
@@ -164,8 +175,32 @@ def _segments(inputs: AttnInputs):
     return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
 
 
-def _forward(q, k, v, causal: bool, scale: float):
-    """One dense problem [B, S, H, D] -> (out, lse float32, lse in the kernel's dtype)."""
+def _banded(window) -> bool:
+    """A window with a left bound, or a right bound other than causal's 0: served in row bands with a mask."""
+    left, right = window
+    return left >= 0 or right > 0
+
+
+def _bands(sq: int, sk: int, window):
+    """(m0, m1, lo, hi, mask or None, rows that see no key or None) per band of BAND_M rows: the keys [lo, hi) some
+    row of the band sees, the additive mask of the band (None where every row sees all of them)."""
+    vis = Visibility(sq, sk, *window)
+    for m0 in range(0, sq, BAND_M):
+        m1 = min(m0 + BAND_M, sq)
+        lo, hi = vis.key_range(m0, m1)
+        lo, hi = max(lo, 0), min(hi, sk)
+        if lo >= hi:
+            continue
+        if vis.tile_is_full(m0, m1, lo, hi):
+            yield m0, m1, lo, hi, None, None
+            continue
+        seen = vis.sees(torch.arange(m0, m1)[:, None], torch.arange(lo, hi)[None, :])
+        yield m0, m1, lo, hi, seen, ~seen.any(1)
+
+
+def _forward(q, k, v, window, scale: float):
+    """One dense problem [B, S, H, D] -> (out, lse float32, lse in the kernel's dtype); window: (left, right) with
+    causal as (-1, 0)."""
     b, sq, hq, _ = q.shape
     sk, dv = k.shape[1], v.shape[3]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -173,6 +208,17 @@ def _forward(q, k, v, causal: bool, scale: float):
         out = q.new_zeros(b, sq, hq, dv)
         lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
         return out, lse.float(), lse
+    if _banded(window):
+        out = q.new_zeros(b, sq, hq, dv)
+        lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
+        for m0, m1, lo, hi, seen, empty in _bands(sq, sk, window):
+            o, l = _fwd(q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], False, scale, _additive(seen, q.dtype))
+            if empty is not None and empty.any():   # the kernel gives 0 and lse 0 there; the contract -inf
+                o = o.masked_fill(empty[None, :, None, None], 0)
+                l = l.masked_fill(empty[None, None, :], _NEG_INF)
+            out[:, m0:m1], lse[:, :, m0:m1] = o, l
+        return out, lse.float(), lse
+    causal = window[1] == 0
     parts = _parts(sq, sk, causal)
     if len(parts) == 1:
         (m0, m1), (n0, n1), part_causal = parts[0]
@@ -188,11 +234,25 @@ def _forward(q, k, v, causal: bool, scale: float):
     return _merged(outs, lses, q.dtype)
 
 
-def _backward(dout, q, k, v, out, lse, dlse, causal: bool, scale: float):
+def _backward(dout, q, k, v, out, lse, dlse, window, scale: float):
     """Gradients of one dense problem from its (out, lse in the kernel's dtype)."""
     sq, sk = q.shape[1], k.shape[1]
     if q.numel() == 0 or sk == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    if _banded(window):
+        # Each band's gradients from the whole problem's (out, lse): dQ of its rows, dK / dV added over the bands.
+        # Rows that see nothing get lse = +inf, so P = exp(s - lse) = 0 there (the kernel would read -inf - -inf).
+        dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+        lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
+        for m0, m1, lo, hi, seen, _ in _bands(sq, sk, window):
+            gq, gk, gv = _bwd(dout[:, m0:m1], q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], out[:, m0:m1],
+                              lse[:, :, m0:m1].contiguous(), None if dlse is None else dlse[:, :, m0:m1], False,
+                              scale, _additive(seen, q.dtype))
+            dq[:, m0:m1] = gq
+            dk[:, lo:hi] += gk
+            dv[:, lo:hi] += gv
+        return dq, dk, dv
+    causal = window[1] == 0
     parts = _parts(sq, sk, causal)
     if len(parts) == 1 and parts[0][0][0] == 0:   # one kernel call over every row and key: its gradients as they are
         return _bwd(dout, q, k, v, out, lse, dlse, parts[0][2], scale)
