@@ -98,10 +98,8 @@ def run(args: argparse.Namespace) -> int:
         if suite == "programmable":
             return _programmable(device, args, stem, t0, load0)
         from .timing import ceilings
-        impls = [s.strip() for s in args.peers.split(",")] if args.peers else list(peers.DENSE)
-        unknown = [i for i in impls if i not in peers.DENSE]
-        if unknown:
-            print(f"flashport bench: unknown implementation(s) {unknown}; known: {', '.join(peers.DENSE)}")
+        impls = _impls(args.peers, peers.DENSE, peers.DENSE)
+        if impls is None:
             return 2
         if device.index is None:
             device = torch.device("cuda", torch.cuda.current_device())
@@ -147,14 +145,22 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _impls(peers_arg, default, known):
+    """--peers as a list (the suite's default without it), or None after saying which names are unknown."""
+    impls = [s.strip() for s in peers_arg.split(",")] if peers_arg else list(default)
+    unknown = [i for i in impls if i not in known]
+    if unknown:
+        print(f"flashport bench: unknown implementation(s) {unknown}; known: {', '.join(known)}")
+        return None
+    return impls
+
+
 def _programmable(device, args, stem, t0, load0) -> int:
     import torch
 
     from . import programmable, report
-    impls = [s.strip() for s in args.peers.split(",")] if args.peers else list(programmable.DEFAULT_IMPLS)
-    unknown = [i for i in impls if i not in programmable.IMPLS]
-    if unknown:
-        print(f"flashport bench: unknown implementation(s) {unknown}; known: {', '.join(programmable.IMPLS)}")
+    impls = _impls(args.peers, programmable.DEFAULT_IMPLS, programmable.IMPLS)
+    if impls is None:
         return 2
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
