@@ -25,6 +25,9 @@ SERVED = [
     Case(b=1, sq=37, sk=70, hq=2, hkv=1, d=16, window=(3, 2)),
     Case(b=1, sq=70, sk=21, hq=2, hkv=2, d=16, window=(4, 1)),         # Sq > Sk: rows that see no key
     Case(b=1, sq=33, sk=33, hq=2, hkv=2, d=16, window=(-1, 6)),        # right bound only
+    # ALiBi (float32 / float64 inputs): the bias in the same bands' masks
+    Case(b=2, sq=30, sk=45, hq=4, hkv=2, d=16, alibi="batch_head", causal=True),
+    Case(b=1, sq=50, sk=20, hq=2, hkv=1, d=16, alibi="head", window=(6, 2)),
 ]
 
 
@@ -54,7 +57,8 @@ def test_served_cases_low_precision(case, dtype):
 
 
 def _spec(**kw):
-    q, k, v = torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, 16), torch.randn(1, 8, 2, kw.pop("dv", 16))
+    dt = kw.pop("dtype", torch.float32)
+    q, k, v = (torch.randn(1, 8, 2, d, dtype=dt) for d in (16, 16, kw.pop("dv", 16)))
     args = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
                 dropout_p=0.0, deterministic=False, return_lse=False)
     args.update(kw)
@@ -62,7 +66,8 @@ def _spec(**kw):
 
 
 @pytest.mark.parametrize("kw,why", [(dict(softcap=5.0), "softcap"),
-                                    (dict(alibi_slopes=torch.rand(2)), "ALiBi"), (dict(dropout_p=0.1), "dropout"),
+                                    (dict(alibi_slopes=torch.rand(2), dtype=torch.bfloat16), "ALiBi with bfloat16"),
+                                    (dict(dropout_p=0.1), "dropout"),
                                     (dict(dv=8), "Dv != D"), (dict(softmax_scale=-0.2), "softmax_scale")])
 def test_refusals_say_why_and_auto_goes_to_blockwise(kw, why):
     spec = _spec(**kw)
@@ -153,5 +158,5 @@ def test_windows_in_several_bands(band, monkeypatch):
     """The banded path at a band height that splits the rows (8) and one that does not (256)."""
     from flashport.backend import sdpa_cpu
     monkeypatch.setattr(sdpa_cpu, "BAND_M", band)
-    for case in SERVED[-4:]:
+    for case in SERVED[-6:]:
         check_dense(NAME, case)

@@ -33,7 +33,7 @@ import torch
 
 from .. import dispatch
 from ..capabilities import Capabilities
-from ..masks import Visibility
+from ..masks import Visibility, alibi_bias
 from ..spec import AttnInputs, AttnSpec
 
 _NEG_INF = float("-inf")
@@ -88,11 +88,19 @@ def _parts(sq: int, sk: int, causal: bool):
     return [((0, sq), (0, sk - sq), False), ((0, sq), (sk - sq, sk), True)]
 
 
-def _additive(seen, dtype):
-    """The kernel's attn_mask [1, 1, M, N] in q's dtype (it takes no bool mask): 0 where seen, -inf elsewhere."""
+def _additive(seen, dtype, slopes=None, band=None):
+    """The kernel's attn_mask in q's dtype (it takes no bool mask): [1, 1, M, N] with 0 where seen and -inf
+    elsewhere, plus ALiBi's -slope * |i + Sk - Sq - j| as [B, Hq, M, N] when slopes [B, Hq] are given (float32 or
+    float64 inputs only: own_reasons)."""
+    add = None
+    if slopes is not None:
+        m0, m1, lo, hi, sq, sk = band
+        i, j = torch.arange(m0, m1)[:, None], torch.arange(lo, hi)[None, :]
+        add = alibi_bias(slopes[:, :, None, None], i, j, sq, sk).to(dtype)
     if seen is None:
-        return None
-    return torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, _NEG_INF)[None, None]
+        return add
+    hidden = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, _NEG_INF)[None, None]
+    return hidden if add is None else add + hidden
 
 
 def _merged(outs, lses, dtype):
@@ -114,7 +122,7 @@ class SdpaCpuBackend(dispatch.Backend):
     state_family = "sdpa-cpu"   # private state: lse in the kernel's dtype (float64 for float64 inputs)
     caps = Capabilities(devices=("cpu",), dtypes=("float16", "bfloat16", "float32", "float64"),
                         max_head_dim=None, dv_ne_d=False, kinds=("dense", "varlen"), paged_kvcache=False,
-                        mask_kinds=("none", "causal", "window"), softcap=False, alibi=False, dropout=False,
+                        mask_kinds=("none", "causal", "window"), softcap=False, alibi=True, dropout=False,
                         sdpa_flash_devices=("cpu",),
                         notes=("causal bottom-right: Sq < Sk as two kernel calls merged by lse, Sq > Sk by "
                                "skipping the rows that see no key",
@@ -132,6 +140,10 @@ class SdpaCpuBackend(dispatch.Backend):
         if spec.softmax_scale <= 0:
             # measured (torch 2.13): with a negative scale the float16 path returns inf / garbage rows
             r.append(f"softmax_scale {spec.softmax_scale:g} <= 0 (the kernel's float16 path breaks on it)")
+        if spec.alibi is not None and spec.dtype in (torch.float16, torch.bfloat16):
+            # the kernel adds its attn_mask in q's dtype: ALiBi's float32 bias (up to slope * S) would be rounded
+            r.append(f"ALiBi with {str(spec.dtype).replace('torch.', '')} inputs (the kernel's mask is in q's dtype; "
+                     f"the contract's bias is float32)")
         if role == "bwd" and spec.softmax_scale * math.sqrt(spec.head_dim) > BWD_MAX_SCALE_RATIO:
             # measured: on peaked softmaxes the kernel's gradients err up to ~7x the fp32 math path's (the rule
             # allows 3x); at the default scale they stay well inside it
@@ -142,14 +154,16 @@ class SdpaCpuBackend(dispatch.Backend):
     def forward(self, spec: AttnSpec, inputs: AttnInputs):
         q, k, v = inputs.q, inputs.k, inputs.v
         causal, scale = (spec.window_left, spec.window_right), spec.softmax_scale
+        slopes = _slopes(spec, inputs)
         if spec.kind == "dense":
-            return _forward(q, k, v, causal, scale)
+            return _forward(q, k, v, causal, scale, slopes)
         # varlen: one kernel call (or two, bottom-right causal) per sequence; rows past cu_seqlens_q[-1] stay zero
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = q.new_zeros(q.shape[0], spec.heads_q, spec.head_dim_v)
         lse = torch.full((spec.heads_q, q.shape[0]), _NEG_INF, dtype=lse_dtype, device=q.device)
-        for q0, q1, k0, k1 in _segments(inputs):
-            o, _, l = _forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, scale)
+        for n, (q0, q1, k0, k1) in enumerate(_segments(inputs)):
+            o, _, l = _forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, scale,
+                               None if slopes is None else slopes[n:n + 1])
             out[q0:q1], lse[:, q0:q1] = o[0], l[0]
         return out, lse.float(), lse
 
@@ -159,14 +173,24 @@ class SdpaCpuBackend(dispatch.Backend):
         lse = saved.private if saved.private is not None else saved.lse.to(lse_dtype)
         causal, scale = (spec.window_left, spec.window_right), spec.softmax_scale
         dout = dout.to(q.dtype)
+        slopes = _slopes(spec, inputs)
         if spec.kind == "dense":
-            return _backward(dout, q, k, v, out, lse, dlse, causal, scale)
+            return _backward(dout, q, k, v, out, lse, dlse, causal, scale, slopes)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for q0, q1, k0, k1 in _segments(inputs):
+        for n, (q0, q1, k0, k1) in enumerate(_segments(inputs)):
             g = _backward(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
-                          lse[None, :, q0:q1], None if dlse is None else dlse[None, :, q0:q1], causal, scale)
+                          lse[None, :, q0:q1], None if dlse is None else dlse[None, :, q0:q1], causal, scale,
+                          None if slopes is None else slopes[n:n + 1])
             dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
         return dq, dk, dv
+
+
+def _slopes(spec: AttnSpec, inputs: AttnInputs):
+    """ALiBi slopes as [B, Hq] float32, or None."""
+    a = inputs.alibi_slopes
+    if a is None:
+        return None
+    return a.expand(spec.batch, spec.heads_q) if a.dim() == 1 else a
 
 
 def _segments(inputs: AttnInputs):
@@ -175,10 +199,10 @@ def _segments(inputs: AttnInputs):
     return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
 
 
-def _banded(window) -> bool:
-    """A window with a left bound, or a right bound other than causal's 0: served in row bands with a mask."""
+def _banded(window, slopes=None) -> bool:
+    """A window with a left bound, a right bound other than causal's 0, or ALiBi: served in row bands with a mask."""
     left, right = window
-    return left >= 0 or right > 0
+    return left >= 0 or right > 0 or slopes is not None
 
 
 def _bands(sq: int, sk: int, window):
@@ -198,9 +222,9 @@ def _bands(sq: int, sk: int, window):
         yield m0, m1, lo, hi, seen, ~seen.any(1)
 
 
-def _forward(q, k, v, window, scale: float):
+def _forward(q, k, v, window, scale: float, slopes=None):
     """One dense problem [B, S, H, D] -> (out, lse float32, lse in the kernel's dtype); window: (left, right) with
-    causal as (-1, 0)."""
+    causal as (-1, 0); slopes: ALiBi [B, Hq] float32 or None."""
     b, sq, hq, _ = q.shape
     sk, dv = k.shape[1], v.shape[3]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -208,11 +232,12 @@ def _forward(q, k, v, window, scale: float):
         out = q.new_zeros(b, sq, hq, dv)
         lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
         return out, lse.float(), lse
-    if _banded(window):
+    if _banded(window, slopes):
         out = q.new_zeros(b, sq, hq, dv)
         lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
         for m0, m1, lo, hi, seen, empty in _bands(sq, sk, window):
-            o, l = _fwd(q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], False, scale, _additive(seen, q.dtype))
+            mask = _additive(seen, q.dtype, slopes, (m0, m1, lo, hi, sq, sk))
+            o, l = _fwd(q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], False, scale, mask)
             if empty is not None and empty.any():   # the kernel gives 0 and lse 0 there; the contract -inf
                 o = o.masked_fill(empty[None, :, None, None], 0)
                 l = l.masked_fill(empty[None, None, :], _NEG_INF)
@@ -234,12 +259,12 @@ def _forward(q, k, v, window, scale: float):
     return _merged(outs, lses, q.dtype)
 
 
-def _backward(dout, q, k, v, out, lse, dlse, window, scale: float):
+def _backward(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=None):
     """Gradients of one dense problem from its (out, lse in the kernel's dtype)."""
     sq, sk = q.shape[1], k.shape[1]
     if q.numel() == 0 or sk == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if _banded(window):
+    if _banded(window, slopes):
         # Each band's gradients from the whole problem's (out, lse): dQ of its rows, dK / dV added over the bands.
         # Rows that see nothing get lse = +inf, so P = exp(s - lse) = 0 there (the kernel would read -inf - -inf).
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
@@ -247,7 +272,7 @@ def _backward(dout, q, k, v, out, lse, dlse, window, scale: float):
         for m0, m1, lo, hi, seen, _ in _bands(sq, sk, window):
             gq, gk, gv = _bwd(dout[:, m0:m1], q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], out[:, m0:m1],
                               lse[:, :, m0:m1].contiguous(), None if dlse is None else dlse[:, :, m0:m1], False,
-                              scale, _additive(seen, q.dtype))
+                              scale, _additive(seen, q.dtype, slopes, (m0, m1, lo, hi, sq, sk)))
             dq[:, m0:m1] = gq
             dk[:, lo:hi] += gk
             dv[:, lo:hi] += gv
