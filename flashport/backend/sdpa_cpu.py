@@ -19,11 +19,17 @@ Causal alignment: the kernel's `is_causal` is top-left, flashport's is bottom-ri
 - Sq > Sk: the first Sq - Sk rows see no key (zeros, lse = -inf, zero gradients) and the rest is a square causal
   problem; no additive mask (that would be Sq x Sk memory) is ever built.
 
+Sliding windows and ALiBi (fp32 / fp64): bands of BAND_M query rows, each one kernel call over the keys its rows
+see, with an additive attn_mask of the band ([1, 1, M, N]: -inf on hidden pairs; [B, Hq, M, N] with ALiBi's
+-slope * |i + Sk - Sq - j| added).  The kernel returns out 0 and lse 0 for a row whose keys are all masked: those
+rows get lse -inf here, and +inf in the backward (P = 0).  dK / dV add up over the bands.  Memory: one band's mask.
+
+Varlen: the same per sequence (cu_seqlens are CPU tensors here: no sync).
+
 Refused (each with its reason): softmax_scale <= 0, a backward with softmax_scale > 1.5 / sqrt(D) (both
-measured to break the tolerance rule), windows, softcap, ALiBi, dropout (its RNG is not flashport's exposed keep-mask),
-Dv != D (the kernel's own check) and KV cache.  Varlen runs the same per sequence (cu_seqlens are CPU tensors
-here: no sync).  A differentiated lse is served by a padded column
-(see _bwd).
+measured to break the tolerance rule), softcap, ALiBi on fp16 / bf16 (the kernel adds its mask in q's dtype; the
+contract's bias is float32), dropout (its RNG is not flashport's exposed keep-mask), Dv != D (the kernel's own
+check) and KV cache.  A differentiated lse is served by a padded column (see _bwd).
 """
 from __future__ import annotations
 
@@ -37,7 +43,7 @@ from ..masks import Visibility, alibi_bias
 from ..spec import AttnInputs, AttnSpec
 
 _NEG_INF = float("-inf")
-# Query rows per kernel call of a windowed call (each call takes the keys its rows see, with an additive mask).
+# Query rows per kernel call of a windowed or ALiBi call (each call takes the keys its rows see, with a mask).
 BAND_M = 256
 # The backward is served for softmax_scale * sqrt(D) up to this (see own_reasons).
 BWD_MAX_SCALE_RATIO = 1.5
@@ -114,7 +120,7 @@ def _merged(outs, lses, dtype):
 
 class SdpaCpuBackend(dispatch.Backend):
     """PyTorch's CPU flash kernel (aten `_scaled_dot_product_flash_attention_for_cpu` and its backward): dense and
-    varlen attention, none or causal (bottom-right, exact for every Sq / Sk), GQA, any scale, fwd + bwd, `lse`.
+    varlen attention, none, causal, windows or ALiBi (fp32 / fp64) (bottom-right, exact for every Sq / Sk), GQA, any scale, fwd + bwd, `lse`.
     Chosen automatically on CPU ahead of `blockwise` (measured faster there: flashport bench on a CPU)."""
 
     name = "sdpa-cpu"
@@ -127,6 +133,8 @@ class SdpaCpuBackend(dispatch.Backend):
                         notes=("causal bottom-right: Sq < Sk as two kernel calls merged by lse, Sq > Sk by "
                                "skipping the rows that see no key",
                                "varlen: one kernel call per sequence (cu_seqlens read on the host, a CPU tensor)",
+                               "windows and ALiBi: bands of 256 query rows with an additive mask; ALiBi on fp32 / "
+                               "fp64 only",
                                "a differentiated lse: the backward adds one padded column (see _bwd)",
                                "deterministic=True served: its backward measured bitwise reproducible, GQA included (tests/test_sdpa_cpu.py)"))
 
