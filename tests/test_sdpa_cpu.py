@@ -153,10 +153,12 @@ def test_auto_takes_it_for_varlen_on_cpu():
     assert dispatch.select(spec).name == NAME
 
 
-@pytest.mark.parametrize("band", [8, 256])
-def test_windows_in_several_bands(band, monkeypatch):
-    """The banded path at a band height that splits the rows (8) and one that does not (256)."""
+@pytest.mark.parametrize("band,split_min", [(8, 512), (256, 512), (8, 2), (16, 4)])
+def test_windows_in_several_bands(band, split_min, monkeypatch):
+    """The banded path at a band height that splits the rows (8) and one that does not (256), each band in one masked
+    part or (small split_min) in masked edges around an unmasked middle merged by lse."""
     from flashport.backend import sdpa_cpu
     monkeypatch.setattr(sdpa_cpu, "BAND_M", band)
+    monkeypatch.setattr(sdpa_cpu, "SPLIT_MIN", split_min)
     for case in SERVED[-6:]:
         check_dense(NAME, case)

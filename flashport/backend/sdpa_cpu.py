@@ -45,6 +45,8 @@ from ..spec import AttnInputs, AttnSpec
 _NEG_INF = float("-inf")
 # Query rows per kernel call of a windowed or ALiBi call (each call takes the keys its rows see, with a mask).
 BAND_M = 256
+# A band's keys that every row sees run unmasked, apart from its masked edges, from this many on.
+SPLIT_MIN = 512
 # The backward is served for softmax_scale * sqrt(D) up to this (see own_reasons).
 BWD_MAX_SCALE_RATIO = 1.5
 
@@ -116,6 +118,17 @@ def _merged(outs, lses, dtype):
     lse = torch.logaddexp(lses[0], lses[1])
     out = sum(o.to(lse.dtype) * torch.exp(l - lse).transpose(1, 2)[..., None] for o, l in zip(outs, lses))
     return out.to(dtype), lse.float(), lse
+
+
+def _merged_rows(res, dtype):
+    """Exact merge of one band's key parts [(out, lse)], rows that see none of a part at lse -inf there (and rows that
+    see nothing at all: out 0, lse -inf)."""
+    lse = res[0][1]
+    for _, l in res[1:]:
+        lse = torch.logaddexp(lse, l)
+    ref = torch.where(torch.isneginf(lse), torch.zeros_like(lse), lse)
+    out = sum(o.to(lse.dtype) * torch.exp(l - ref).transpose(1, 2)[..., None] for o, l in res)
+    return out.to(dtype), lse
 
 
 class SdpaCpuBackend(dispatch.Backend):
@@ -213,9 +226,11 @@ def _banded(window, slopes=None) -> bool:
     return left >= 0 or right > 0 or slopes is not None
 
 
-def _bands(sq: int, sk: int, window):
-    """(m0, m1, lo, hi, mask or None, rows that see no key or None) per band of BAND_M rows: the keys [lo, hi) some
-    row of the band sees, the additive mask of the band (None where every row sees all of them)."""
+def _bands(sq: int, sk: int, window, split: bool):
+    """(m0, m1, parts) per band of BAND_M rows; parts: [(lo, hi, seen or None, rows that see none of [lo, hi) or
+    None)] cover the keys some row of the band sees.  One part, masked, in general; with `split` (no ALiBi) and a
+    middle of at least SPLIT_MIN keys that every row of the band sees, three: masked edges around an unmasked middle,
+    so that the mask is built and read only where it hides something."""
     vis = Visibility(sq, sk, *window)
     for m0 in range(0, sq, BAND_M):
         m1 = min(m0 + BAND_M, sq)
@@ -223,11 +238,19 @@ def _bands(sq: int, sk: int, window):
         lo, hi = max(lo, 0), min(hi, sk)
         if lo >= hi:
             continue
-        if vis.tile_is_full(m0, m1, lo, hi):
-            yield m0, m1, lo, hi, None, None
-            continue
-        seen = vis.sees(torch.arange(m0, m1)[:, None], torch.arange(lo, hi)[None, :])
-        yield m0, m1, lo, hi, seen, ~seen.any(1)
+        flo, fhi = vis.full_key_range(m0, m1)
+        flo, fhi = max(flo, lo), min(fhi, hi)
+        spans = [(lo, flo), (flo, fhi), (fhi, hi)] if split and fhi - flo >= SPLIT_MIN else [(lo, hi)]
+        parts = []
+        for a, z in spans:
+            if a >= z:
+                continue
+            if vis.tile_is_full(m0, m1, a, z):
+                parts.append((a, z, None, None))
+            else:
+                seen = vis.sees(torch.arange(m0, m1)[:, None], torch.arange(a, z)[None, :])
+                parts.append((a, z, seen, ~seen.any(1)))
+        yield m0, m1, parts
 
 
 def _forward(q, k, v, window, scale: float, slopes=None):
@@ -243,12 +266,16 @@ def _forward(q, k, v, window, scale: float, slopes=None):
     if _banded(window, slopes):
         out = q.new_zeros(b, sq, hq, dv)
         lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
-        for m0, m1, lo, hi, seen, empty in _bands(sq, sk, window):
-            mask = _additive(seen, q.dtype, slopes, (m0, m1, lo, hi, sq, sk))
-            o, l = _fwd(q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], False, scale, mask)
-            if empty is not None and empty.any():   # the kernel gives 0 and lse 0 there; the contract -inf
-                o = o.masked_fill(empty[None, :, None, None], 0)
-                l = l.masked_fill(empty[None, None, :], _NEG_INF)
+        for m0, m1, parts in _bands(sq, sk, window, split=slopes is None):
+            res = []
+            for lo, hi, seen, empty in parts:
+                mask = _additive(seen, q.dtype, slopes, (m0, m1, lo, hi, sq, sk))
+                o, l = _fwd(q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], False, scale, mask)
+                if empty is not None and empty.any():   # the kernel gives 0 and lse 0 there; the contract -inf
+                    o = o.masked_fill(empty[None, :, None, None], 0)
+                    l = l.masked_fill(empty[None, None, :], _NEG_INF)
+                res.append((o, l))
+            o, l = res[0] if len(res) == 1 else _merged_rows(res, q.dtype)
             out[:, m0:m1], lse[:, :, m0:m1] = o, l
         return out, lse.float(), lse
     causal = window[1] == 0
@@ -277,13 +304,14 @@ def _backward(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=None):
         # Rows that see nothing get lse = +inf, so P = exp(s - lse) = 0 there (the kernel would read -inf - -inf).
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-        for m0, m1, lo, hi, seen, _ in _bands(sq, sk, window):
-            gq, gk, gv = _bwd(dout[:, m0:m1], q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], out[:, m0:m1],
-                              lse[:, :, m0:m1].contiguous(), None if dlse is None else dlse[:, :, m0:m1], False,
-                              scale, _additive(seen, q.dtype, slopes, (m0, m1, lo, hi, sq, sk)))
-            dq[:, m0:m1] = gq
-            dk[:, lo:hi] += gk
-            dv[:, lo:hi] += gv
+        for m0, m1, parts in _bands(sq, sk, window, split=slopes is None):
+            for lo, hi, seen, _ in parts:
+                gq, gk, gv = _bwd(dout[:, m0:m1], q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], out[:, m0:m1],
+                                  lse[:, :, m0:m1].contiguous(), None if dlse is None else dlse[:, :, m0:m1], False,
+                                  scale, _additive(seen, q.dtype, slopes, (m0, m1, lo, hi, sq, sk)))
+                dq[:, m0:m1] += gq
+                dk[:, lo:hi] += gk
+                dv[:, lo:hi] += gv
         return dq, dk, dv
     causal = window[1] == 0
     parts = _parts(sq, sk, causal)
