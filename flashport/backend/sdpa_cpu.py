@@ -111,18 +111,11 @@ def _additive(seen, dtype, slopes=None, band=None):
     return hidden if add is None else add + hidden
 
 
-def _merged(outs, lses, dtype):
-    """Exact merge of the two parts of a Sq < Sk causal call (flashport.merge's rule) in the lse's dtype (float64
-    for float64 calls; merge_states_torch weighs in float32).  Every row sees keys in both parts, so both lse
-    are finite.  -> (out, lse float32, lse in the kernel's dtype)."""
-    lse = torch.logaddexp(lses[0], lses[1])
-    out = sum(o.to(lse.dtype) * torch.exp(l - lse).transpose(1, 2)[..., None] for o, l in zip(outs, lses))
-    return out.to(dtype), lse.float(), lse
-
-
-def _merged_rows(res, dtype):
-    """Exact merge of one band's key parts [(out, lse)], rows that see none of a part at lse -inf there (and rows that
-    see nothing at all: out 0, lse -inf)."""
+def _merged(res, dtype):
+    """Exact merge of key parts [(out, lse)] of the same rows (flashport.merge's rule, weighed in the lse's dtype:
+    float64 for float64 calls, where merge_states_torch weighs in float32): the two parts of a Sq < Sk causal call,
+    or a band's masked edges and unmasked middle.  A row that sees none of a part has lse -inf there; one that sees
+    nothing at all gets out 0, lse -inf.  -> (out, lse in the parts' dtype)."""
     lse = res[0][1]
     for _, l in res[1:]:
         lse = torch.logaddexp(lse, l)
@@ -275,7 +268,7 @@ def _forward(q, k, v, window, scale: float, slopes=None):
                     o = o.masked_fill(empty[None, :, None, None], 0)
                     l = l.masked_fill(empty[None, None, :], _NEG_INF)
                 res.append((o, l))
-            o, l = res[0] if len(res) == 1 else _merged_rows(res, q.dtype)
+            o, l = res[0] if len(res) == 1 else _merged(res, q.dtype)
             out[:, m0:m1], lse[:, :, m0:m1] = o, l
         return out, lse.float(), lse
     causal = window[1] == 0
@@ -290,8 +283,9 @@ def _forward(q, k, v, window, scale: float, slopes=None):
         out[:, m0:] = o
         lse[:, :, m0:] = l
         return out, lse.float(), lse
-    outs, lses = zip(*(_fwd(q, k[:, n0:n1], v[:, n0:n1], part_causal, scale) for _, (n0, n1), part_causal in parts))
-    return _merged(outs, lses, q.dtype)
+    out, lse = _merged([_fwd(q, k[:, n0:n1], v[:, n0:n1], part_causal, scale) for _, (n0, n1), part_causal in parts],
+                       q.dtype)
+    return out, lse.float(), lse
 
 
 def _backward(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=None):
