@@ -475,3 +475,17 @@ def _check_append_aliasing(k_cache, v_cache, k, v) -> None:
 
 def _needs_grad(*ts) -> bool:
     return torch.is_grad_enabled() and any(t.requires_grad for t in ts)
+
+
+# ----------------------------------------------------------------------------- what backends read from inputs
+def varlen_segments(inputs: AttnInputs) -> list[tuple[int, int, int, int]]:
+    """(q0, q1, k0, k1) of each sequence of a varlen call: its rows of q and of k / v (one host read of cu_seqlens)."""
+    cq, ck = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
+    return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
+
+
+def alibi_per_batch(spec: AttnSpec, slopes: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """ALiBi slopes as [B, Hq] (a [Hq] vector expanded, no copy), or None."""
+    if slopes is None:
+        return None
+    return slopes.expand(spec.batch, spec.heads_q) if slopes.dim() == 1 else slopes

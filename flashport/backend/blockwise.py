@@ -32,7 +32,7 @@ from ..capabilities import DTYPES, Capabilities
 from ..dropout import dense_keep_mask, keep_mask
 from ..masks import Visibility, alibi_bias
 from ..programmable import FEATURES
-from ..spec import AttnInputs, AttnSpec
+from ..spec import AttnInputs, AttnSpec, alibi_per_batch, varlen_segments
 from . import tile_steps
 
 # Tile sizes.  Module attributes (read at each call) so tests can shrink them to exercise
@@ -433,14 +433,9 @@ class BlockwiseBackend(dispatch.Backend):
 
 
 def _call(spec: AttnSpec, inputs: AttnInputs) -> tuple[_Call, _Tiling]:
-    alibi = inputs.alibi_slopes
-    if alibi is not None and alibi.dim() == 1:
-        alibi = alibi.expand(spec.batch, spec.heads_q)
+    alibi = alibi_per_batch(spec, inputs.alibi_slopes)
     opt = _Tiling(scale=spec.softmax_scale, softcap=spec.softcap, left=spec.window_left,
                   right=spec.window_right, dropout_p=spec.dropout_p, rng_state=inputs.rng_state,
                   heads_q=spec.heads_q, block_m=BLOCK_M, block_n=BLOCK_N)
-    segments = None
-    if spec.kind == "varlen":
-        cq, ck = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
-        segments = [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(spec.batch)]
+    segments = varlen_segments(inputs) if spec.kind == "varlen" else None
     return _Call(opt, alibi, segments, inputs.prog), opt

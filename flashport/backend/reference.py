@@ -16,7 +16,7 @@ from ..dropout import dense_keep_mask
 from ..kvcache import gather_pages
 from ..masks import alibi_bias, visible
 from ..programmable import FEATURES
-from ..spec import AttnInputs, AttnSpec, dense_spec
+from ..spec import AttnInputs, AttnSpec, alibi_per_batch, dense_spec, varlen_segments
 
 
 def materialized_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi: Optional[torch.Tensor] = None,
@@ -78,11 +78,9 @@ def materialized_attention(q, k, v, *, scale: float, softcap: float = 0.0, alibi
     return out.to(q.dtype), lse.to(torch.float32)
 
 
-def _alibi_bh(spec: AttnSpec, slopes: Optional[torch.Tensor], batch: int) -> Optional[torch.Tensor]:
-    if slopes is None:
-        return None
-    slopes = slopes.detach()  # the contract differentiates q, k, v only, like every other backend
-    return slopes.expand(batch, spec.heads_q) if slopes.dim() == 1 else slopes
+def _alibi_bh(spec: AttnSpec, slopes: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    # detached: the contract differentiates q, k, v only, like every other backend
+    return alibi_per_batch(spec, None if slopes is None else slopes.detach())
 
 
 def _keep(spec: AttnSpec, inputs: AttnInputs, sq: int, sk: int, batch_index=None, batch=None):
@@ -131,25 +129,24 @@ class ReferenceBackend(dispatch.Backend):
     def _forward(self, spec: AttnSpec, inputs: AttnInputs):
         if spec.kind == "dense":
             return materialized_attention(
-                inputs.q, inputs.k, inputs.v, alibi=_alibi_bh(spec, inputs.alibi_slopes, spec.batch),
+                inputs.q, inputs.k, inputs.v, alibi=_alibi_bh(spec, inputs.alibi_slopes),
                 keep=_keep(spec, inputs, spec.seqlen_q, spec.seqlen_k), prog=inputs.prog, **_kw(spec))
         if spec.kind == "kvcache":
             k, v = inputs.k, inputs.v
             if spec.paged:
                 k, v = gather_pages(k, inputs.block_table), gather_pages(v, inputs.block_table)
-            return materialized_attention(inputs.q, k, v, alibi=_alibi_bh(spec, inputs.alibi_slopes, spec.batch),
+            return materialized_attention(inputs.q, k, v, alibi=_alibi_bh(spec, inputs.alibi_slopes),
                                           seqlens_k=inputs.seqlens_k, **_kw(spec))
         return self._varlen(spec, inputs)
 
     def _varlen(self, spec: AttnSpec, inputs: AttnInputs):
         q, k, v = inputs.q, inputs.k, inputs.v
-        cq = inputs.cu_seqlens_q.tolist()
-        ck = inputs.cu_seqlens_k.tolist()
-        alibi = _alibi_bh(spec, inputs.alibi_slopes, spec.batch)
+        segments = varlen_segments(inputs)
+        alibi = _alibi_bh(spec, inputs.alibi_slopes)
         outs, lses = [], []
-        for b in range(spec.batch):
-            qb = q[cq[b]:cq[b + 1]][None]
-            kb, vb = k[ck[b]:ck[b + 1]][None], v[ck[b]:ck[b + 1]][None]
+        for b, (q0, q1, k0, k1) in enumerate(segments):
+            qb = q[q0:q1][None]
+            kb, vb = k[k0:k1][None], v[k0:k1][None]
             keep = None
             if spec.dropout_p > 0:
                 keep = (inputs.dropout_mask[b:b + 1, :, :qb.shape[1], :kb.shape[1]] if inputs.dropout_mask is not None
@@ -159,7 +156,7 @@ class ReferenceBackend(dispatch.Backend):
                                           prog=inputs.prog, batch_offset=b, **_kw(spec))
             outs.append(o[0])
             lses.append(l[0])
-        tail = q.shape[0] - cq[-1]  # rows past cu_seqlens_q[-1]: zeros, lse -inf
+        tail = q.shape[0] - (segments[-1][1] if segments else 0)  # rows past cu_seqlens_q[-1]: zeros, lse -inf
         outs.append(q.new_zeros(tail, spec.heads_q, spec.head_dim_v))
         lses.append(torch.full((spec.heads_q, tail), float("-inf"), device=q.device))
         return torch.cat(outs, 0), torch.cat(lses, 1)

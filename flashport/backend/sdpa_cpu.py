@@ -40,7 +40,7 @@ import torch
 from .. import dispatch
 from ..capabilities import Capabilities
 from ..masks import Visibility, alibi_bias
-from ..spec import AttnInputs, AttnSpec
+from ..spec import AttnInputs, AttnSpec, alibi_per_batch, varlen_segments
 
 _NEG_INF = float("-inf")
 # Query rows per kernel call of a windowed or ALiBi call (each call takes the keys its rows see, with a mask).
@@ -168,14 +168,14 @@ class SdpaCpuBackend(dispatch.Backend):
     def forward(self, spec: AttnSpec, inputs: AttnInputs):
         q, k, v = inputs.q, inputs.k, inputs.v
         causal, scale = (spec.window_left, spec.window_right), spec.softmax_scale
-        slopes = _slopes(spec, inputs)
+        slopes = alibi_per_batch(spec, inputs.alibi_slopes)
         if spec.kind == "dense":
             return _forward(q, k, v, causal, scale, slopes)
         # varlen: one kernel call (or two, bottom-right causal) per sequence; rows past cu_seqlens_q[-1] stay zero
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = q.new_zeros(q.shape[0], spec.heads_q, spec.head_dim_v)
         lse = torch.full((spec.heads_q, q.shape[0]), _NEG_INF, dtype=lse_dtype, device=q.device)
-        for n, (q0, q1, k0, k1) in enumerate(_segments(inputs)):
+        for n, (q0, q1, k0, k1) in enumerate(varlen_segments(inputs)):
             o, _, l = _forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, scale,
                                None if slopes is None else slopes[n:n + 1])
             out[q0:q1], lse[:, q0:q1] = o[0], l[0]
@@ -187,30 +187,16 @@ class SdpaCpuBackend(dispatch.Backend):
         lse = saved.private if saved.private is not None else saved.lse.to(lse_dtype)
         causal, scale = (spec.window_left, spec.window_right), spec.softmax_scale
         dout = dout.to(q.dtype)
-        slopes = _slopes(spec, inputs)
+        slopes = alibi_per_batch(spec, inputs.alibi_slopes)
         if spec.kind == "dense":
             return _backward(dout, q, k, v, out, lse, dlse, causal, scale, slopes)
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-        for n, (q0, q1, k0, k1) in enumerate(_segments(inputs)):
+        for n, (q0, q1, k0, k1) in enumerate(varlen_segments(inputs)):
             g = _backward(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
                           lse[None, :, q0:q1], None if dlse is None else dlse[None, :, q0:q1], causal, scale,
                           None if slopes is None else slopes[n:n + 1])
             dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
         return dq, dk, dv
-
-
-def _slopes(spec: AttnSpec, inputs: AttnInputs):
-    """ALiBi slopes as [B, Hq] float32, or None."""
-    a = inputs.alibi_slopes
-    if a is None:
-        return None
-    return a.expand(spec.batch, spec.heads_q) if a.dim() == 1 else a
-
-
-def _segments(inputs: AttnInputs):
-    """(q0, q1, k0, k1) of each varlen sequence (CPU tensors: no sync)."""
-    cq, ck = inputs.cu_seqlens_q.tolist(), inputs.cu_seqlens_k.tolist()
-    return [(cq[b], cq[b + 1], ck[b], ck[b + 1]) for b in range(len(cq) - 1)]
 
 
 def _banded(window, slopes=None) -> bool:
