@@ -242,17 +242,9 @@ def forward_tiles(q, k, v, opt: _Tiling, alibi: Optional[torch.Tensor] = None, b
             if tile == "empty":
                 continue
             s, _, _ = _scores(q_t, kh[:, :, n0:n1], m0, m1, n0, n1, vis, opt, slopes, prog, b0, tile=tile)
-            m_new = torch.maximum(m_i, s.amax(-1))
-            # A row that has seen no visible key yet keeps m = -inf; subtracting 0 instead keeps
-            # exp(-inf - m) = 0 rather than NaN.
-            m_safe = torch.where(m_new == _NEG_INF, torch.zeros_like(m_new), m_new)
-            p = s.sub_(m_safe[..., None]).exp_()
-            alpha = torch.exp(m_i - m_safe)
-            l_i = l_i * alpha + p.sum(-1)                     # normaliser uses the undropped p
-            if opt.dropout_p > 0:
-                p = p * _keep(opt, b0, b, hkv, m0, m1, n0, n1, q.device) / (1.0 - opt.dropout_p)
-            acc.mul_(alpha[..., None]).add_(p @ vh[:, :, n0:n1])
-            m_i = m_new
+            keep = (_keep(opt, b0, b, hkv, m0, m1, n0, n1, q.device) / (1.0 - opt.dropout_p)
+                    if opt.dropout_p > 0 else None)
+            m_i, l_i, acc = tile_steps.online_softmax(s, vh[:, :, n0:n1], m_i, l_i, acc, keep)
         seen = l_i > 0
         acc /= torch.where(seen, l_i, torch.ones_like(l_i))[..., None]
         out[:, :, :, m0:m1] = acc.view(b, hkv, g, m1 - m0, dv)

@@ -39,12 +39,22 @@ def forward_step(q_t, k_t, v_t, m_i, l_i, acc, scale, hidden: Optional[torch.Ten
     s = (q_t @ k_t.transpose(-1, -2)) * scale
     if hidden is not None:
         s = s.masked_fill(hidden, _NEG_INF)
+    return online_softmax(s, v_t, m_i, l_i, acc)
+
+
+def online_softmax(s, v_t, m_i, l_i, acc, keep: Optional[torch.Tensor] = None):
+    """The online-softmax update by one tile of final scores s [B, Hkv, R, N] (hidden pairs at -inf), shared with
+    blockwise's general loop: -> (m_i, l_i, acc).  keep: dropout's keep-mask already divided by (1 - p), or None;
+    the normaliser l_i sums the undropped probabilities."""
     m_new = torch.maximum(m_i, s.amax(-1))
     # a row that has seen no visible key yet keeps m = -inf; subtracting 0 keeps exp(-inf) = 0, never NaN
     m_safe = torch.where(m_new == _NEG_INF, torch.zeros_like(m_new), m_new)
     p = torch.exp(s - m_safe[..., None])
     alpha = torch.exp(m_i - m_safe)
-    return m_new, l_i * alpha + p.sum(-1), acc * alpha[..., None] + p @ v_t
+    l_i = l_i * alpha + p.sum(-1)
+    if keep is not None:
+        p = p * keep
+    return m_new, l_i, acc * alpha[..., None] + p @ v_t
 
 
 def backward_step(q_t, k_t, v_t, do_t, lse_t, delta_t, scale, hidden: Optional[torch.Tensor]):
