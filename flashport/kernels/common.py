@@ -388,3 +388,28 @@ def block_dim(d: int) -> int:
     """Head dims are padded in-kernel to a power of two >= 16 (tl.dot's minimum).  Plain integer
     arithmetic: triton.next_power_of_2 is a constexpr function, several microseconds per host call."""
     return max(16, 1 << (d - 1).bit_length())
+
+
+# ----------------------------------------------------------------------------- helpers of generated mods
+# Called by the functions flashport.kernels.mod_codegen generates from score_mod / mask_mod.
+@triton.jit
+def clamp_index(x, n):
+    """An index into a dimension of size n by PyTorch's rule (a negative index counts from the end), clamped into
+    [0, n): a mod evaluated on a tile's out-of-range rows or keys never reads outside its captured tensor."""
+    x = tl.where(x < 0, x + n, x)
+    return tl.minimum(tl.maximum(x, 0), n - 1).to(tl.int32)
+
+
+@triton.jit
+def floor_div(a, b):
+    """PyTorch's floor division of integers.  Written so that it holds whether `//` truncates (compiled Triton,
+    C's rule) or floors: a remainder whose sign differs from the divisor's takes the quotient one step down."""
+    q = a // b
+    r = a - q * b
+    return tl.where((r != 0) & ((r < 0) != (b < 0)), q - 1, q)
+
+
+@triton.jit
+def floor_mod(a, b):
+    """PyTorch's remainder of integers (the sign of the divisor)."""
+    return a - floor_div(a, b) * b
