@@ -18,6 +18,9 @@ from ..kernels import versions
 from ..kernels.versions import is_tested, tested_text
 from ..spec import AttnInputs, AttnSpec
 
+# Programmable features the kernels compile (kernels/mod_codegen.py); block masks and attn_bias are not served yet.
+MODS = ("score_mod", "mask_mod")
+
 MAX_HEAD_DIM = 256
 MAX_GRID_YZ = 65535  # CUDA grid limit for the head and batch dimensions
 
@@ -95,9 +98,12 @@ class TritonBackend(dispatch.Backend):
     auto_devices = ("cuda",)
     state_family = "kernels"
     caps = Capabilities(devices=("cuda", "cpu"), max_head_dim=MAX_HEAD_DIM, min_capability=(8, 0),
-                        triton_versions=versions.TESTED_TRITON,
+                        triton_versions=versions.TESTED_TRITON, mods=MODS,
                         notes=("cpu: only with TRITON_INTERPRET=1, and not bfloat16 there",
-                               "KV cache: inference only, limits in kernels/decode.py"))
+                               "KV cache: inference only, limits in kernels/decode.py",
+                               "score_mod / mask_mod: compiled from their traced aten graph (kernels/mod_codegen.py); "
+                               "a mod outside its whitelist, or a captured tensor that requires grad in a "
+                               "differentiable call, is refused with the reason when the call runs"))
 
     # The Gluon kernels call these with hopper=True (backend/gluon.py).
     hopper = False
@@ -116,6 +122,10 @@ class TritonBackend(dispatch.Backend):
         return list(_supports(spec, _interpreting()))
 
     def prefers(self, spec: AttnSpec, role: str) -> bool:
+        if spec.mods:
+            # Whether a mod compiles is known only from the call's inputs, which dispatch does not show a backend:
+            # auto keeps programmable calls on blockwise (which serves every mod), `backend="triton"` takes them.
+            return False
         # Where no table bucket fits: on Hopper, cuDNN runs dense calls at head dims other than 64/128/256
         # (or Dv != D) 1.3-2x faster than these kernels, which pad such dims to the next power of two
         # (results/issue8_h200_s12/, D = 72, 80, 96, 192/128).
@@ -132,19 +142,50 @@ class TritonBackend(dispatch.Backend):
             return out, lse, None
         from ..kernels import attn_fwd
         from ..kernels.common import device_guard
+        mods = compiled_mods(spec, inputs)
         with device_guard(spec.device):
             return attn_fwd.forward(spec, inputs.q, inputs.k, inputs.v, alibi=inputs.alibi_slopes,
                                     cu_seqlens_q=inputs.cu_seqlens_q, cu_seqlens_k=inputs.cu_seqlens_k,
-                                    rng_state=inputs.rng_state, hopper=self.hopper)
+                                    rng_state=inputs.rng_state, hopper=self.hopper, mods=mods)
 
     def backward(self, spec: AttnSpec, inputs: AttnInputs, saved: dispatch.Saved, dout, dlse):
         from ..kernels import attn_bwd
         from ..kernels.common import device_guard
+        mods = compiled_mods(spec, inputs)
         with device_guard(saved.q.device):
             return attn_bwd.backward(spec, dout, saved.q, saved.k, saved.v, saved.out, lse2_of(saved), dlse=dlse,
                                      alibi=inputs.alibi_slopes, cu_seqlens_q=inputs.cu_seqlens_q,
                                      cu_seqlens_k=inputs.cu_seqlens_k, rng_state=inputs.rng_state,
-                                     hopper=self.hopper)
+                                     hopper=self.hopper, mods=mods)
+
+
+def mod_reasons(spec: AttnSpec, prog) -> list[str]:
+    """Why the kernels cannot serve a call's mods beyond what the declaration says (it cannot see the functions)."""
+    if spec.needs_grad and prog.captured:
+        return [f"score_mod reads {len(prog.captured)} tensor(s) that require grad; the Triton kernels do not "
+                "compute gradients into captured tensors yet (blockwise does)"]
+    return []
+
+
+def compiled_mods(spec: AttnSpec, inputs: AttnInputs):
+    """The call's generated mod functions (kernels.mod_codegen.CompiledMods), or None without mods.  Raises
+    UnsupportedError with the reason where the kernels cannot serve them: dispatch chooses from the spec, which
+    holds the features' names but not the functions, so a mod is judged here, before any kernel runs."""
+    prog = inputs.prog
+    if prog is None or (prog.score_mod is None and prog.mask_mod is None):
+        return None
+    mods = inputs.extra.get("triton_mods")     # the forward's, reused by the backward of the same call
+    if mods is None:
+        reasons = mod_reasons(spec, prog)
+        if not reasons:
+            from ..kernels.mod_codegen import compile_mods
+            got = compile_mods(prog.score_mod, prog.mask_mod, spec.device)
+            reasons = [got] if isinstance(got, str) else []
+            mods = None if reasons else got
+        if reasons:
+            raise dispatch.UnsupportedError("backend 'triton' cannot serve this call:\n  - triton: " + "; ".join(reasons))
+        inputs.extra["triton_mods"] = mods
+    return mods
 
 
 # Both answers depend only on the spec (a frozen, hashable dataclass), the installed Triton, the cards and

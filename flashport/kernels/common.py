@@ -324,7 +324,7 @@ class KernelArgs:
     its tensors: strides (batch stride 0 for packed varlen tensors), sizes, window, the folded score
     constants, dropout threshold and the compile-time feature flags."""
 
-    def __init__(self, spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None):
+    def __init__(self, spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None, mods=None):
         varlen = self.varlen = spec.kind == "varlen"
         self.q_strides, self.k_strides, self.v_strides = self.strides(q), self.strides(k), self.strides(v)
         self.seqlen_q, self.seqlen_k = spec.seqlen_q, spec.seqlen_k
@@ -334,6 +334,7 @@ class KernelArgs:
         self.qk_scale = scale * LOG2E
         self.cap_in = scale / spec.softcap if spec.softcap > 0 else 0.0
         self.cap_out = spec.softcap * LOG2E
+        self.natural = (scale, spec.softcap)     # (qk_scale, cap_out) in natural units, before a score_mod
         self.slopes, self.slope_stride = None, 0
         if alibi is not None:
             self.slopes = alibi.contiguous()
@@ -353,6 +354,18 @@ class KernelArgs:
             HAS_RIGHT=spec.visibility.has_right, SOFTCAP=spec.softcap > 0, ALIBI=alibi is not None,
             DROPOUT=dropout, PRECISION=precision, ALIGN=16)
         self.cover(q, k, v)
+        self.with_mods(mods)
+
+    def with_mods(self, mods) -> None:
+        """The generated mod functions (kernels.mod_codegen.CompiledMods or None) and their captured tensors.
+        A score_mod sees natural units: its kernels score in natural units up to it (scale and softcap here, the
+        ALiBi slope in the kernel) and convert to log2 after it."""
+        self.mods = None if mods is None else mods.cap()
+        self.score_grad = None if mods is None else mods.score_grad   # the backward kernels' SCORE_GRAD
+        self.constexprs.update(SCORE_MOD=None if mods is None else mods.score,
+                               MASK_MOD=None if mods is None else mods.mask)
+        if mods is not None and mods.score is not None:
+            self.qk_scale, self.cap_out = self.natural
 
     def cover(self, *tensors) -> None:
         """Lower ALIGN (see `offset`) to what the batch / sequence / head strides of `tensors` share."""

@@ -26,8 +26,7 @@ import math
 import os
 import sys
 import tempfile
-import weakref
-from collections import Counter
+from collections import Counter, OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Optional, Union
 
@@ -579,8 +578,10 @@ class CompiledMods:
 
 
 def _fingerprint(fn) -> tuple:
-    """What a memoised trace of fn depends on beyond its code: the objects its closure cells, bound instance and
+    """What a memoised compile of fn depends on beyond its code: the objects its closure cells, bound instance and
     module attributes hold (compared by identity: a tensor rebound in the closure is a new trace)."""
+    if fn is None:
+        return ()
     out = [getattr(fn, "__code__", None)]
     for cell in getattr(fn, "__closure__", None) or ():
         try:
@@ -595,32 +596,17 @@ def _fingerprint(fn) -> tuple:
     return tuple(out)
 
 
-_traces: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# (id(score_mod), id(mask_mod), device) -> (score_mod, mask_mod, fingerprints, result): a training loop calls the
+# same mods every step, and tracing costs milliseconds.  Bounded; an entry keeps its mods and tensors alive.
+_memo: OrderedDict = OrderedDict()
+MEMO_SIZE = 64
 
 
-def _traced(fn, kind: str, device):
-    """(score gm, grad gm) or (mask gm,), memoised per function object while its fingerprint holds."""
-    fp = _fingerprint(fn) + (torch.device(device),)
-    try:
-        hit = _traces.get(fn)
-    except TypeError:       # not weak-referenceable: traced every call
-        hit = None
-    if hit is not None and hit[kind][0] is not None and len(hit[kind][0]) == len(fp) and all(
-            a is b or a == b for a, b in zip(hit[kind][0][-1:], fp[-1:])) and all(
-            a is b for a, b in zip(hit[kind][0][:-1], fp[:-1])):
-        return hit[kind][1]
-    gms = ((_trace(fn, True, device), _trace(fn, True, device, grad=True)) if kind == "score"
-           else (_trace(fn, False, device),))
-    try:
-        entry = _traces.setdefault(fn, {"score": (None, None), "mask": (None, None)})
-        entry[kind] = (fp, gms)
-    except TypeError:
-        pass
-    return gms
+def _same(a: tuple, b: tuple) -> bool:
+    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
-def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable], device) -> Union[CompiledMods, str]:
-    """CompiledMods of a call's mods on `device`, or the reason (naming the mod) why they are not compiled."""
+def _compile(score_mod, mask_mod, device) -> Union[CompiledMods, str]:
     captured: list = []
     out = {}
     for kind, fn in (("score", score_mod), ("mask", mask_mod)):
@@ -628,12 +614,34 @@ def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable], de
             continue
         who = "score_mod" if kind == "score" else "mask_mod"
         try:
-            gms = _traced(fn, kind, device)
             if kind == "score":
-                out["score"] = load(_generate(gms[0], captured, "score"), "score")
-                out["score_grad"] = load(_generate(gms[1], captured, "score"), "score")
+                out["score"] = load(_generate(_trace(fn, True, device), captured, "score"), "score")
+                grad = _trace(fn, True, device, grad=True)
+                out["score_grad"] = load(_generate(grad, captured, "score"), "score")
             else:
-                out["mask"] = load(_generate(gms[0], captured, "mask"), "mask")
+                out["mask"] = load(_generate(_trace(fn, False, device), captured, "mask"), "mask")
         except Refused as e:
             return f"{who} is not compiled by the Triton kernels: {e}"
+    for t in captured:
+        if t.device != device:
+            return f"a mod reads a tensor on {t.device}, the call is on {device}"
     return CompiledMods(captured=tuple(captured), **out)
+
+
+def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable], device) -> Union[CompiledMods, str]:
+    """CompiledMods of a call's mods on `device`, or the reason (naming the mod) why they are not compiled.
+    Memoised per pair of mod objects while what they close over is the same (see _fingerprint)."""
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    key = (id(score_mod), id(mask_mod), device)
+    fps = (_fingerprint(score_mod), _fingerprint(mask_mod))
+    hit = _memo.get(key)
+    if hit is not None and hit[0] is score_mod and hit[1] is mask_mod and all(map(_same, hit[2], fps)):
+        _memo.move_to_end(key)
+        return hit[3]
+    result = _compile(score_mod, mask_mod, device)
+    _memo[key] = (score_mod, mask_mod, fps, result)
+    while len(_memo) > MEMO_SIZE:
+        _memo.popitem(last=False)
+    return result
