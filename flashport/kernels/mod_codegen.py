@@ -195,7 +195,10 @@ class _Gen:
                 continue
             if node.op == "get_attr":
                 t = getattr(self.gm, node.target)
-                if t.dim() == 0:     # a 0-d captured tensor is a value: one scalar load
+                if t.dim() == 0 and _made_by_the_mod(node):
+                    # torch.tensor(x) inside the mod: a literal of its code (each trace makes a new tensor)
+                    self.emit(node, f"tl.full([], {_lit(t.item())}, {_TL[t.dtype]})", t.dtype, set())
+                elif t.dim() == 0:   # a captured 0-d tensor is a value: one scalar load
                     _zero_d(self, node, t)
                 continue             # others are read through aten.index
             if node.op != "call_function":
@@ -210,6 +213,12 @@ class _Gen:
         if not hasattr(res, "op"):
             raise Refused(f"the mod returned {res!r}, not a tensor")
         return res
+
+
+def _made_by_the_mod(node) -> bool:
+    """make_fx lifts a tensor created during the trace (torch.tensor inside the mod) through lift_fresh_copy; a
+    tensor the mod closes over is read directly."""
+    return bool(node.users) and all(_name(u) == "lift_fresh_copy" for u in node.users)
 
 
 def _name(node) -> str:

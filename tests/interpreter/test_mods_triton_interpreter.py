@@ -1,0 +1,179 @@
+"""Issue [15]: the Triton kernels run score_mod / mask_mod compiled by kernels/mod_codegen.py (Triton's interpreter,
+fp32 and fp16).  Every ready-made mod the compiler accepts is held to the tolerance rule against the float64
+reference (output, lse, dq / dk / dv), rows that see no key included; new shapes generate no new function; mods
+outside the compiler's whitelist are refused with a reason naming what is wrong."""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+import flashport  # noqa: E402
+from flashport import mods  # noqa: E402
+from flashport.backend.reference import materialized_attention  # noqa: E402
+from flashport.check import magnitude, rule_error  # noqa: E402
+from flashport.programmable import build  # noqa: E402
+
+pytestmark = [
+    pytest.mark.interpreter,
+    pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1", reason="needs TRITON_INTERPRET=1 (own process)"),
+    pytest.mark.filterwarnings("ignore:Conversion of an array with ndim > 0:DeprecationWarning"),
+]
+
+# S = 37 crosses the interpreter's 16-row tiles with a ragged last one; GQA 2 / 1 (the interpreter runs one program
+# at a time: every batch entry and head costs seconds over the file)
+B, S, HQ, HKV, D = 1, 37, 2, 1, 16
+_g = torch.Generator().manual_seed(15)
+SLOPES = torch.rand(HQ, generator=_g) * 0.5 + 0.05
+TABLE = torch.randn(HQ, 9, generator=_g)
+DOCS = torch.tensor([0] * 10 + [1] * 3 + [2] * 24)
+
+CASES = {
+    "causal": dict(mask_mod=mods.causal),
+    "window-sinks": dict(mask_mod=mods.sliding_window(6, sinks=3)),
+    "prefix-lm": dict(mask_mod=mods.prefix_lm(11)),
+    "document": dict(mask_mod=mods.document(DOCS)),
+    "alibi": dict(score_mod=mods.alibi(SLOPES)),
+    "tanh-softcap": dict(score_mod=mods.tanh_softcap(2.0)),
+    "rel-table+causal": dict(score_mod=mods.relative_position(TABLE), causal=True),
+    # rows 0..19 see no key: zeros, lse -inf, zero gradients
+    "empty-rows+rel-table": dict(mask_mod=lambda b, h, i, j: (i >= 20) & (j <= i + h % 2),
+                                 score_mod=mods.relative_position(TABLE)),
+    # the pipeline's order: built-in softcap and ALiBi come before the score_mod, the window and mask_mod after
+    "builtins+mods": dict(score_mod=mods.relative_position(TABLE), mask_mod=mods.document(DOCS), softcap=4.0,
+                          alibi_slopes=SLOPES, window_size=(9, 2)),
+}
+
+
+def _inputs(dtype, b=B, s=S, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(b, s, HQ, D, generator=g).to(dtype).requires_grad_()
+    k = torch.randn(b, s, HKV, D, generator=g).to(dtype).requires_grad_()
+    v = torch.randn(b, s, HKV, D, generator=g).to(dtype).requires_grad_()
+    do = torch.randn(b, s, HQ, D, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def _math_path(q, k, v, kw, dtype):
+    """The same-dtype materialised math path of the tolerance rule, with the same mods."""
+    prog = build(kw.get("score_mod"), kw.get("mask_mod"), None, None, batch=B, heads_q=HQ, sq=S, sk=S, device="cpu")
+    left, right = kw.get("window_size", (-1, -1))
+    slopes = kw.get("alibi_slopes")
+    return materialized_attention(q, k, v, scale=D ** -0.5, softcap=kw.get("softcap", 0.0),
+                                  alibi=None if slopes is None else slopes.expand(B, -1), left=left,
+                                  right=0 if kw.get("causal") else right, compute_dtype=dtype, prog=prog)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(CASES))
+def test_compiled_mods_within_the_tolerance_rule(name, dtype):
+    kw = CASES[name]
+    q, k, v, do = _inputs(dtype)
+    out, lse = flashport.attention(q, k, v, backend="triton", return_lse=True, **kw)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref, ref_lse = flashport.attention(q64, k64, v64, backend="reference", return_lse=True, **kw)
+    low, low_lse = _math_path(q, k, v, kw, dtype)
+    err, bound = rule_error(out, ref, low, dtype, 2.0)
+    assert err <= bound, ("out", err, bound)
+    seen = torch.isfinite(ref_lse)
+    assert torch.equal(torch.isfinite(lse), seen), "rows that see no key differ from the reference"
+    err, bound = rule_error(lse[seen], ref_lse[seen], low_lse[seen], dtype, 2.0)
+    assert err <= bound, ("lse", err, bound)
+    got = torch.autograd.grad(out, (q, k, v), do)
+    want = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    math = torch.autograd.grad(low, (q, k, v), do)
+    mag = magnitude(q, k, v, do)
+    for n, a, b, m in zip(("dq", "dk", "dv"), got, want, math):
+        err, bound = rule_error(a, b, m, dtype, 3.0, mag)
+        assert err <= bound, (n, err, bound)
+    if name.startswith("empty-rows"):
+        assert (out[:, :20] == 0).all() and torch.isneginf(lse[:, :, :20]).all()
+        assert (got[0][:, :20] == 0).all()
+
+
+def test_varlen_mods_see_the_sequence_index_and_positions():
+    """b is the sequence's index and q_idx / kv_idx positions within it, as in the dense call of each sequence."""
+    cu = torch.tensor([0, 5, 5, 22, 31], dtype=torch.int32)
+    g = torch.Generator().manual_seed(3)
+    q, k, v = (torch.randn(31, h, D, generator=g) for h in (HQ, HKV, HKV))
+    seq_bias = torch.tensor([0.5, -1.0, 2.0, 0.25])     # per sequence: b is the sequence's index
+
+    def score_mod(score, b, h, i, j):
+        return mods.relative_position(TABLE)(score, b, h, i, j) + seq_bias[b]
+    kw = dict(score_mod=score_mod, mask_mod=mods.sliding_window(6, sinks=1))
+    out = flashport.attention_varlen(q, k, v, cu, cu, 17, 17, backend="triton", **kw)
+    ref = flashport.attention_varlen(q.double(), k.double(), v.double(), cu, cu, 17, 17, backend="reference", **kw)
+    torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
+
+
+def _fresh_generated_functions(monkeypatch):
+    """Forget the process's generated functions and traces (a file cache of its own), so a first call generates."""
+    from flashport.kernels import mod_codegen
+    monkeypatch.setattr(mod_codegen, "_loaded", {})
+    monkeypatch.setattr(mod_codegen, "_memo", type(mod_codegen._memo)())
+    monkeypatch.setattr(mod_codegen, "stats", type(mod_codegen.stats)())
+    return mod_codegen
+
+
+def test_new_batch_length_and_values_generate_no_new_function(monkeypatch, tmp_path):
+    monkeypatch.setenv("FLASHPORT_CACHE_DIR", str(tmp_path))
+    mc = _fresh_generated_functions(monkeypatch)
+    calls = [(1, 17, torch.randn(HQ, 9)), (2, 33, torch.randn(HQ, 9)), (1, 5, torch.randn(HQ, 9))]
+    counts = []
+    for b, s, table in calls:      # new closures over new tables each call: the same code, other values
+        q, k, v, do = _inputs(torch.float32, b=b, s=s)
+        docs = torch.randint(0, 3, (s,)).sort()[0]
+        out = flashport.attention(q, k, v, backend="triton", score_mod=mods.relative_position(table),
+                                  mask_mod=mods.document(docs))
+        out.backward(do)
+        counts.append(mc.stats["generated"])
+    assert counts[0] == 3, counts            # score, its derivative and the mask, generated once
+    assert counts[1:] == [3, 3], counts      # then every call reuses them
+    assert len(list((tmp_path / "mods").glob("*.py"))) == 3
+
+
+def _unsorted_rank(score, b, h, i, j):
+    return score + torch.sort(SLOPES)[0][h]
+
+
+def _branches_on_the_keys(score, b, h, i, j):
+    if bool((j < 1000).all()):      # a Python branch on tensor data: runs eagerly, cannot become a kernel
+        return score
+    return score - 1.0
+
+
+@pytest.mark.parametrize("score_mod, why", [(_unsorted_rank, "score_mod.*aten.sort"),
+                                            (_branches_on_the_keys, "score_mod.*control flow"),
+                                            (lambda s, b, h, i, j: s + TABLE[h].sum(), "score_mod.*slices")],
+                         ids=["sort", "branch", "slice"])
+def test_a_mod_outside_the_compiler_is_refused_with_the_reason(score_mod, why):
+    q, k, v, _ = _inputs(torch.float32)
+    with pytest.raises(flashport.UnsupportedError, match=why):
+        flashport.attention(q, k, v, backend="triton", score_mod=score_mod)
+    out = flashport.attention(q, k, v, backend="blockwise", score_mod=score_mod)   # the mod itself is fine
+    assert torch.isfinite(out).all()
+
+
+def test_captured_tensors_that_require_grad_and_block_masks_are_refused():
+    q, k, v, _ = _inputs(torch.float32)
+    table = TABLE.clone().requires_grad_()
+    with pytest.raises(flashport.UnsupportedError, match="require grad"):
+        flashport.attention(q, k, v, backend="triton", score_mod=mods.relative_position(table))
+    with torch.no_grad():   # inference needs no gradient into the table: served
+        out = flashport.attention(q, k, v, backend="triton", score_mod=mods.relative_position(table))
+        ref = flashport.attention(q, k, v, backend="reference", score_mod=mods.relative_position(table))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+    bm = flashport.create_block_mask(mods.causal, None, None, S, S, block_size=16)
+    with pytest.raises(flashport.UnsupportedError, match="block_mask"):
+        flashport.attention(q, k, v, backend="triton", block_mask=bm)
+
+
+def test_auto_ranks_triton_after_blockwise_for_programmable_calls():
+    # dispatch judges from the spec, which cannot tell whether a mod compiles: auto keeps such calls on blockwise
+    assert not flashport.dispatch.get("triton").prefers(
+        flashport.spec.dense_spec(*_inputs(torch.float32)[:3], causal=False, softmax_scale=None, window_size=(-1, -1),
+                                  softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False,
+                                  return_lse=False, mask_mod=mods.causal)[0], "fwd")
