@@ -225,6 +225,13 @@ def test_rows_without_keys_and_keys_without_rows_are_refused():
     assert "a key that no row sees" in _own(16, 96, causal=True, window_size=(1, 0))[0]
 
 
+def test_a_scale_that_is_not_positive_is_refused():   # the H200 fuzz's case 202 (results/issue14_h200_s16)
+    assert fa4.Fa4Backend().own_reasons(_spec(d=96, softmax_scale=0.3), "fwd") == []
+    for scale in (-0.112, 0.0):
+        assert any("softmax_scale <= 0" in r for r in fa4.Fa4Backend().own_reasons(_spec(d=96, softmax_scale=scale),
+                                                                                   "fwd"))
+
+
 @pytest.mark.parametrize("kw,why", [
     (dict(alibi_slopes=torch.rand(4)), "ALiBi"),
     (dict(dropout_p=0.1), "dropout"),

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 from collections import OrderedDict
+from typing import Optional
 
 import torch
 
@@ -58,6 +59,17 @@ def _lse_request() -> dict:
         return {"return_aux": AuxRequest(lse=True)}
     except ImportError:
         return {"return_lse": True}
+
+
+# Flex's default tiles for a score_mod that reads a captured tensor requiring grad (a learnable relative-position
+# table) need more shared memory than an H100 / H200 has (245760 B of 232448 B at D=64 in the 16th session's
+# run): "No valid triton configs", for forward and backward alike.  One pipeline stage and 64-row tiles fit.
+SMALL_TILES = {"num_stages": 1, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
+               "BLOCK_N2": 32}
+
+
+def _kernel_options(inputs: AttnInputs) -> Optional[dict]:
+    return SMALL_TILES if inputs.prog is not None and inputs.prog.captured else None
 
 
 def _flex():
@@ -214,5 +226,6 @@ class FlexBackend(dispatch.Backend):
         with _dynamo_limits():
             out, aux = _flex()(q, k, v, score_mod=_score_mod(spec, inputs, lengths),
                                block_mask=_block_mask(spec, inputs, lengths), scale=spec.softmax_scale,
-                               enable_gqa=spec.heads_q != spec.heads_kv, **_lse_request())
+                               enable_gqa=spec.heads_q != spec.heads_kv, kernel_options=_kernel_options(inputs),
+                               **_lse_request())
         return out.transpose(1, 2), getattr(aux, "lse", aux)
