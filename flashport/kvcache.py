@@ -68,6 +68,15 @@ def restore_kv(k_cache, v_cache, saved, cache_seqlens, block_table=None) -> None
     v_cache[idx] = saved[1]
 
 
+def sequence_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, block_table, b: int, n: int):
+    """Batch entry b's first n cached keys and values as [1, n, H, D] (a view of a dense cache; of a paged one, a
+    copy of the pages they fill: block_table[b, :ceil(n / page)])."""
+    if block_table is None:
+        return k_cache[b:b + 1, :n], v_cache[b:b + 1, :n]
+    blocks = block_table[b, :-(-n // k_cache.shape[1])].to(torch.int64)
+    return tuple(c[blocks].reshape(1, -1, *c.shape[2:])[:, :n] for c in (k_cache, v_cache))
+
+
 def gather_pages(cache: torch.Tensor, block_table: torch.Tensor) -> torch.Tensor:
     """Paged cache [num_blocks, page, H, D] -> dense view-copy [B, max_blocks * page, H, D]."""
     b, nblk = block_table.shape

@@ -162,3 +162,30 @@ def test_windows_in_several_bands(band, split_min, monkeypatch):
     monkeypatch.setattr(sdpa_cpu, "SPLIT_MIN", split_min)
     for case in SERVED[-6:]:
         check_dense(NAME, case)
+
+
+# ----------------------------------------------------------------------------- KV cache: one kernel call per sequence
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+@pytest.mark.parametrize("sq,window", [(1, (-1, -1)), (5, (-1, 0)), (6, (3, 0))], ids=["decode", "causal", "window"])
+def test_kvcache_matches_reference_per_sequence(paged, sq, window):
+    """Ragged valid lengths (0 keys, fewer keys than queries under causal: rows that see nothing, a full cache),
+    dense or paged (pages in shuffled order), bottom-right aligned to each sequence's own length."""
+    g = torch.Generator().manual_seed(3)
+    lens, cap, page, hq, hkv, d = [0, 3, 17, 32], 32, 8, 4, 2, 16
+    q = torch.randn(len(lens), sq, hq, d, generator=g)
+    if paged:
+        kc, vc = (torch.randn(len(lens) * cap // page, page, hkv, d, generator=g) for _ in range(2))
+        table = torch.randperm(kc.shape[0], generator=g).reshape(len(lens), -1).to(torch.int32)
+    else:
+        kc, vc = (torch.randn(len(lens), cap, hkv, d, generator=g) for _ in range(2))
+        table = None
+    seqlens = torch.tensor(lens, dtype=torch.int32)
+    kw = dict(cache_seqlens=seqlens, block_table=table, window_size=window, return_lse=True)
+    flashport.reset_stats()
+    out, lse = flashport.attention_with_kvcache(q, kc, vc, **kw)          # backend=None on a CPU
+    assert [n for n, s in flashport.stats().items() if s["calls"]] == [NAME]
+    ref, ref_lse = flashport.attention_with_kvcache(q.double(), kc.double(), vc.double(), backend="reference", **kw)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    torch.testing.assert_close(lse[~torch.isneginf(lse)], ref_lse[~torch.isneginf(ref_lse)].float(), rtol=1e-5, atol=1e-5)
+    assert not out[0].any()   # no valid key: zeros

@@ -30,6 +30,7 @@ import torch
 from .. import dispatch
 from ..capabilities import DTYPES, Capabilities
 from ..dropout import dense_keep_mask, keep_mask
+from ..kvcache import sequence_kv
 from ..masks import Visibility, alibi_bias
 from ..programmable import FEATURES
 from ..spec import AttnInputs, AttnSpec, alibi_per_batch, varlen_segments
@@ -378,13 +379,7 @@ def _kvcache(spec: AttnSpec, inputs: AttnInputs, opt: _Tiling, alibi):
         return out, lse.to(torch.float32)
     outs, lses = [], []
     for b, n in enumerate(inputs.seqlens_k.tolist()):
-        if spec.paged:
-            page = kc.shape[1]
-            blocks = inputs.block_table[b, :-(-n // page)].to(torch.int64)
-            kb = kc[blocks].reshape(1, -1, *kc.shape[2:])[:, :n]
-            vb = vc[blocks].reshape(1, -1, *vc.shape[2:])[:, :n]
-        else:
-            kb, vb = kc[b:b + 1, :n], vc[b:b + 1, :n]
+        kb, vb = sequence_kv(kc, vc, inputs.block_table if spec.paged else None, b, n)
         o, l = forward_tiles(q[b:b + 1], kb, vb, opt, None if alibi is None else alibi[b:b + 1], b)
         outs.append(o)
         lses.append(l)

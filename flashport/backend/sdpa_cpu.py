@@ -24,12 +24,13 @@ see, with an additive attn_mask of the band ([1, 1, M, N]: -inf on hidden pairs;
 -slope * |i + Sk - Sq - j| added).  The kernel returns out 0 and lse 0 for a row whose keys are all masked: those
 rows get lse -inf here, and +inf in the backward (P = 0).  dK / dV add up over the bands.  Memory: one band's mask.
 
-Varlen: the same per sequence (cu_seqlens are CPU tensors here: no sync).
+Varlen: the same per sequence (cu_seqlens are CPU tensors here: no sync).  KV cache (inference): the same per batch
+entry over its valid cached keys, a paged cache's pages gathered first.
 
 Refused (each with its reason): softmax_scale <= 0, a backward with softmax_scale > 1.5 / sqrt(D) (both
 measured to break the tolerance rule), softcap, ALiBi on fp16 / bf16 (the kernel adds its mask in q's dtype; the
 contract's bias is float32), dropout (its RNG is not flashport's exposed keep-mask), Dv != D (the kernel's own
-check) and KV cache.  A differentiated lse is served by a padded column (see _bwd).
+check).  A differentiated lse is served by a padded column (see _bwd).
 """
 from __future__ import annotations
 
@@ -40,6 +41,7 @@ import torch
 from .. import dispatch
 from ..capabilities import Capabilities
 from ..masks import Visibility, alibi_bias
+from ..kvcache import sequence_kv
 from ..spec import AttnInputs, AttnSpec, alibi_per_batch, varlen_segments
 
 _NEG_INF = float("-inf")
@@ -133,12 +135,14 @@ class SdpaCpuBackend(dispatch.Backend):
     auto_devices = ("cpu",)
     state_family = "sdpa-cpu"   # private state: lse in the kernel's dtype (float64 for float64 inputs)
     caps = Capabilities(devices=("cpu",), dtypes=("float16", "bfloat16", "float32", "float64"),
-                        max_head_dim=None, dv_ne_d=False, kinds=("dense", "varlen"), paged_kvcache=False,
+                        max_head_dim=None, dv_ne_d=False, kinds=("dense", "varlen", "kvcache"),
                         mask_kinds=("none", "causal", "window"), softcap=False, alibi=True, dropout=False,
                         sdpa_flash_devices=("cpu",),
                         notes=("causal bottom-right: Sq < Sk as two kernel calls merged by lse, Sq > Sk by "
                                "skipping the rows that see no key",
                                "varlen: one kernel call per sequence (cu_seqlens read on the host, a CPU tensor)",
+                               "KV cache (dense or paged): one kernel call per sequence over its valid keys (pages "
+                               "gathered)",
                                "windows and ALiBi: bands of 256 query rows with an additive mask; ALiBi on fp32 / "
                                "fp64 only",
                                "a differentiated lse: the backward adds one padded column (see _bwd)",
@@ -171,6 +175,8 @@ class SdpaCpuBackend(dispatch.Backend):
         slopes = alibi_per_batch(spec, inputs.alibi_slopes)
         if spec.kind == "dense":
             return _forward(q, k, v, causal, scale, slopes)
+        if spec.kind == "kvcache":
+            return _kvcache(spec, inputs, causal, scale, slopes)
         # varlen: one kernel call (or two, bottom-right causal) per sequence; rows past cu_seqlens_q[-1] stay zero
         lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         out = q.new_zeros(q.shape[0], spec.heads_q, spec.head_dim_v)
@@ -197,6 +203,23 @@ class SdpaCpuBackend(dispatch.Backend):
                           None if slopes is None else slopes[n:n + 1])
             dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
         return dq, dk, dv
+
+
+def _kvcache(spec: AttnSpec, inputs: AttnInputs, window, scale: float, slopes):
+    """Inference over a dense or paged cache: batch entry b is a dense problem over its first seqlens_k[b] keys
+    (host values; the whole cache when seqlens_k is None), bottom-right aligned to them like every other call."""
+    q = inputs.q
+    if inputs.seqlens_k is None:
+        out, lse, _ = _forward(q, inputs.k, inputs.v, window, scale, slopes)
+        return out, lse, None
+    out = q.new_zeros(*q.shape[:3], spec.head_dim_v)
+    lse = torch.full((q.shape[0], spec.heads_q, q.shape[1]), _NEG_INF, dtype=torch.float32)
+    table = inputs.block_table if spec.paged else None
+    for b, n in enumerate(inputs.seqlens_k.tolist()):
+        kb, vb = sequence_kv(inputs.k, inputs.v, table, b, n)
+        o, l, _ = _forward(q[b:b + 1], kb, vb, window, scale, None if slopes is None else slopes[b:b + 1])
+        out[b], lse[b] = o[0], l[0]
+    return out, lse, None
 
 
 def _banded(window, slopes=None) -> bool:
