@@ -45,6 +45,9 @@ class Capabilities:
     gqa: bool = True
     # programmable features served (flashport.programmable.FEATURES: score_mod, mask_mod, block_mask, attn_bias)
     mods: tuple = ()
+    # gradients into tensors a score_mod captures (a learnable table).  The spec cannot tell that a call has such
+    # tensors, so `reasons` cannot check it: a backend without it refuses when the call runs; fuzzers read it.
+    mod_grads: bool = True
     min_capability: Optional[tuple] = None      # CUDA compute capability, inclusive
     max_capability: Optional[tuple] = None
     triton_versions: Optional[tuple] = None     # tested releases (None: Triton not used)

@@ -39,3 +39,16 @@ def test_the_fuzzer_catches_a_wrong_bias_gradient(monkeypatch):
     monkeypatch.setattr(blockwise, "_through_mods", off)
     c = dict(fuzz_mods.draw(SEED, 0), sq=40, sk=40, dtype="float32", bias="full", grad_bias=True, score="none")
     assert fuzz_mods.run(c, "blockwise", "cpu")["status"] == "FAIL"
+
+
+def test_a_backend_is_fuzzed_on_the_features_it_declares():
+    """triton compiles score_mod / mask_mod but takes no attn_bias, block mask or captured-table gradient: its cases
+    turn those off (else nearly every case would SKIP); blockwise declares all and keeps every drawn case."""
+    cases = [fuzz_mods.draw(SEED, i) for i in range(40)]
+    assert any(c["bias"] != "none" for c in cases) and any(c["block"] for c in cases)
+    for c in cases:
+        t = fuzz_mods.served(c, "triton")
+        assert t["bias"] == "none" and not t["block"] and not t["grad_table"]
+        assert {k: v for k, v in t.items() if k not in ("bias", "block", "grad_table")} == \
+            {k: v for k, v in c.items() if k not in ("bias", "block", "grad_table")}
+        assert fuzz_mods.served(c, "blockwise") == c

@@ -98,7 +98,7 @@ class TritonBackend(dispatch.Backend):
     auto_devices = ("cuda",)
     state_family = "kernels"
     caps = Capabilities(devices=("cuda", "cpu"), max_head_dim=MAX_HEAD_DIM, min_capability=(8, 0),
-                        triton_versions=versions.TESTED_TRITON, mods=MODS,
+                        triton_versions=versions.TESTED_TRITON, mods=MODS, mod_grads=False,
                         notes=("cpu: only with TRITON_INTERPRET=1, and not bfloat16 there",
                                "KV cache: inference only, limits in kernels/decode.py",
                                "score_mod / mask_mod: compiled from their traced aten graph (kernels/mod_codegen.py); "

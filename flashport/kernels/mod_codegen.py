@@ -104,8 +104,8 @@ def _dtype(node) -> torch.dtype:
 
 
 class _Gen:
-    """Translates one graph into lines of a jit function body.  `cap` maps a captured tensor's id to its slot
-    (shared by the score and mask functions of a call, so that they read one tuple)."""
+    """Translates one graph into lines of a jit function body.  `captured` lists the call's captured tensors in
+    slot order; the score and mask functions of a call share it, so that both read one `cap` tuple."""
 
     def __init__(self, gm, captured: list, names: tuple):
         self.gm = gm
@@ -467,7 +467,7 @@ _OPS = {
     "bitwise_and": _bitwise("&"), "bitwise_or": _bitwise("|"), "bitwise_xor": _bitwise("^"),
     "logical_and": _logical("&"), "logical_or": _logical("|"), "logical_xor": _logical("^"),
     "bitwise_not": _not, "logical_not": _not,
-    "neg": _unary("(-{x})"), "abs": _unary("tl.abs({x})"),
+    "neg": _unary("(-{x})"), "abs": _unary("tl.abs({x})"), "relu": _unary("tl.maximum({x}, 0)"),
     "exp": _unary("tl.exp({x})", True), "exp2": _unary("tl.exp2({x})", True), "log": _unary("tl.log({x})", True),
     "log2": _unary("tl.log2({x})", True), "sqrt": _unary("tl.sqrt_rn({x})", True),
     "rsqrt": _unary("(1.0 / tl.sqrt_rn({x}))", True), "sigmoid": _unary("tl.sigmoid({x})", True),
@@ -488,6 +488,13 @@ _OPS = {
 def _op(g: _Gen, node) -> None:
     name = _name(node)
     fn = _OPS.get(name)
+    if fn is None and name.endswith("_") and not name.startswith("_") and name[:-1] in _OPS:
+        # An in-place op (autograd's formulas use some: clamp's logical_and_, maximum's masked_fill_): its functional
+        # form, and later reads of the tensor it mutated see the new value.
+        _OPS[name[:-1]](g, node)
+        self_ = node.args[0]
+        g.env[self_], g.dtypes[self_], g.tile[self_] = g.env[node], g.dtypes[node], g.tile[node]
+        return
     if fn is None:
         raise Refused(f"aten.{name} is outside what the Triton mod compiler handles (elementwise arithmetic, "
                       "comparisons, logic, where, clamp, exp / log / tanh / sigmoid and indexing captured tensors)")

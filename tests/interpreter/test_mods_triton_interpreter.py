@@ -177,3 +177,77 @@ def test_auto_ranks_triton_after_blockwise_for_programmable_calls():
         flashport.spec.dense_spec(*_inputs(torch.float32)[:3], causal=False, softmax_scale=None, window_size=(-1, -1),
                                   softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False,
                                   return_lse=False, mask_mod=mods.causal)[0], "fwd")
+
+
+# ----------------------------------------------------------------------------- the generated functions alone
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+N = 16
+TAB64 = torch.randn(HQ, N, generator=_g, dtype=torch.float64)
+LAYOUT = torch.rand(2, 2, generator=_g) < 0.5
+SCORE_MODS = {
+    "where-sigmoid": lambda s, b, h, i, j: torch.where(i - j > 2, s * 2, s.sigmoid()),
+    "floor-div-mod": lambda s, b, h, i, j: s + ((i - j) // 3).float() + ((i - j) % 5).float() + (i - j) / 4,
+    "clamp-exp-log": lambda s, b, h, i, j: torch.clamp(s, -0.5, 0.5) + torch.exp(s) - torch.log(s.abs() + 1),
+    "pow-sqrt": lambda s, b, h, i, j: s ** 2 + torch.sqrt(s.abs()) - s.abs() ** 0.5 * 0.5,
+    "table64-wraps": lambda s, b, h, i, j: s + TAB64[h, j - i],          # j - i < 0 counts from the end
+    "logic": lambda s, b, h, i, j: torch.where(((i > j) & ~(j == 3)) | (i == 0) ^ (b == 1), s,
+                                               torch.full_like(s, -1.0)),
+    "sign-casts": lambda s, b, h, i, j: s * torch.sign(s) + (i > j).to(torch.float32) + s.half().float(),
+    "lifted-literal": lambda s, b, h, i, j: torch.maximum(s - torch.tensor(2.5), torch.minimum(s, s * 0.5)),
+    "relu-tanh": lambda s, b, h, i, j: torch.relu(s) + torch.tanh(s * 0.3) * h,
+}
+MASK_MODS = {
+    "checker": lambda b, h, i, j: (i // 4 + j // 4) % 2 == 0,
+    "layout": lambda b, h, i, j: LAYOUT[i // 8, j // 8] | (i == j),
+    "logical": lambda b, h, i, j: torch.logical_and(i >= j, torch.logical_not(j == h)),
+}
+
+
+@triton.jit
+def _eval_score(S, Out, Grad, b, h, cap, FN: tl.constexpr, GRAD: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)[:, None]
+    j = tl.arange(0, N)[None, :]
+    s = tl.load(S + i * N + j)
+    tl.store(Out + i * N + j, FN(s, b, h, i, j, cap))
+    tl.store(Grad + i * N + j, GRAD(s, b, h, i, j, cap))
+
+
+@triton.jit
+def _eval_mask(Out, b, h, cap, FN: tl.constexpr, N: tl.constexpr):
+    i = tl.arange(0, N)[:, None]
+    j = tl.arange(0, N)[None, :]
+    tl.store(Out + i * N + j, (FN(b, h, i, j, cap) | (i < 0)).to(tl.int8))
+
+
+def _grid():
+    i, j = torch.meshgrid(torch.arange(N), torch.arange(N), indexing="ij")
+    return torch.tensor(1), torch.tensor(1), i, j
+
+
+@pytest.mark.parametrize("name", list(SCORE_MODS))
+def test_a_generated_score_mod_and_its_derivative_equal_the_eager_mod(name):
+    from flashport.kernels.mod_codegen import compile_mods
+    fn = SCORE_MODS[name]
+    c = compile_mods(fn, None, "cpu")
+    assert not isinstance(c, str), c
+    s = torch.randn(N, N, generator=torch.Generator().manual_seed(1))
+    out, grad = torch.empty(N, N), torch.empty(N, N)
+    _eval_score[(1,)](s, out, grad, 1, 1, c.cap(), FN=c.score, GRAD=c.score_grad, N=N)
+    x = s.clone().requires_grad_()
+    want = fn(x, *_grid())
+    (dwant,) = torch.autograd.grad(want, x, torch.ones_like(want))
+    torch.testing.assert_close(out, want.float().detach(), rtol=2e-6, atol=2e-6)
+    torch.testing.assert_close(grad, dwant.float(), rtol=2e-6, atol=2e-6)
+
+
+@pytest.mark.parametrize("name", list(MASK_MODS))
+def test_a_generated_mask_mod_equals_the_eager_mod(name):
+    from flashport.kernels.mod_codegen import compile_mods
+    fn = MASK_MODS[name]
+    c = compile_mods(None, fn, "cpu")
+    assert not isinstance(c, str), c
+    out = torch.empty(N, N, dtype=torch.int8)
+    _eval_mask[(1,)](out, 1, 1, c.cap(), FN=c.mask, N=N)
+    assert torch.equal(out.bool(), fn(*_grid()))
