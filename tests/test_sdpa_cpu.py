@@ -7,7 +7,7 @@ import torch
 
 import flashport
 from conformance import Case, check_dense
-from flashport import dispatch
+from flashport import dispatch, mods
 from flashport.spec import dense_spec
 
 NAME = "sdpa-cpu"
@@ -189,3 +189,68 @@ def test_kvcache_matches_reference_per_sequence(paged, sq, window):
     assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
     torch.testing.assert_close(lse[~torch.isneginf(lse)], ref_lse[~torch.isneginf(ref_lse)].float(), rtol=1e-5, atol=1e-5)
     assert not out[0].any()   # no valid key: zeros
+
+
+# ----------------------------------------------------------------------------- mask_mod, block masks, attn_bias
+def _mask_cases(b, s, h):
+    g = torch.Generator().manual_seed(5)
+    docs = torch.randint(0, 4, (b, s), generator=g).sort(-1).values
+    return {
+        "document": dict(mask_mod=mods.document(docs)),
+        "prefix_lm": dict(mask_mod=mods.prefix_lm(9)),
+        "window_sinks": dict(mask_mod=mods.sliding_window(6, sinks=2)),
+        "per_head_rows_without_keys": dict(mask_mod=lambda b, h, i, j: (i % (h + 2) != 0) & (j <= i)),
+        "block_sparse": dict(block_mask=flashport.create_block_mask(mods.block_sparse(s // 8, s // 8, 8, seed=1),
+                                                                   None, None, s, s, block_size=8)),
+        "window_and_mask": dict(mask_mod=mods.document(docs, causal=False), window_size=(7, 3)),
+        "attn_bias": dict(attn_bias=torch.randn(h, s, s, generator=g)),
+        "attn_bias_key_only": dict(attn_bias=torch.randn(s, generator=g), causal=True),
+        "attn_bias_batch_rows": dict(attn_bias=torch.randn(b, 1, s, 1, generator=g), window_size=(5, 5)),
+    }
+
+
+@pytest.mark.parametrize("name", list(_mask_cases(2, 40, 4)))
+def test_masks_and_bias_in_bands_match_reference(name, monkeypatch):
+    """Bands of 8 rows (BAND_M shrunk) so that keys are trimmed per band and rows that see nothing fall inside
+    bands; out, lse and the gradients (attn_bias calls: inference, the kernel's backward gives no bias gradient)."""
+    from flashport.backend import sdpa_cpu
+    monkeypatch.setattr(sdpa_cpu, "BAND_M", 8)
+    kw = _mask_cases(2, 40, 4)[name]
+    g = torch.Generator().manual_seed(6)
+    q64, k64, v64 = (torch.randn(2, 40, 4, 16, dtype=torch.float64, generator=g) for _ in range(3))
+    grads = "attn_bias" not in kw
+    q, k, v = (t.float().requires_grad_(grads) for t in (q64, k64, v64))
+    ref_in = [t.requires_grad_(grads) for t in (q64, k64, v64)]
+    flashport.reset_stats()
+    out, lse = flashport.attention(q, k, v, return_lse=True, **kw)
+    assert [n for n, s in flashport.stats().items() if s["calls"]] == [NAME]
+    ref_kw = {key: (x.double() if isinstance(x, torch.Tensor) else x) for key, x in kw.items()}
+    ref, ref_lse = flashport.attention(*ref_in, return_lse=True, backend="reference", **ref_kw)
+    torch.testing.assert_close(out, ref.float(), rtol=1e-4, atol=1e-5)
+    assert torch.equal(torch.isneginf(lse), torch.isneginf(ref_lse))
+    seen = ~torch.isneginf(ref_lse)
+    torch.testing.assert_close(lse[seen], ref_lse[seen].float(), rtol=1e-5, atol=1e-5)
+    if grads:
+        do = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad(out, (q, k, v), do.float()), torch.autograd.grad(ref, ref_in, do)):
+            torch.testing.assert_close(a, b.float(), rtol=1e-4, atol=1e-5)
+
+
+def test_what_the_kernel_cannot_take_goes_elsewhere_with_the_reason():
+    q = torch.randn(1, 16, 2, 8, dtype=torch.bfloat16)
+    with pytest.raises(flashport.UnsupportedError, match="attn_bias with bfloat16"):
+        flashport.attention(q, q, q, attn_bias=torch.zeros(16, 16), backend=NAME)
+    q = torch.randn(1, 16, 2, 8, requires_grad=True)
+    with pytest.raises(flashport.UnsupportedError, match="attn_bias in a call that needs grads"):
+        flashport.attention(q, q, q, attn_bias=torch.zeros(16, 16), backend=NAME)
+    flashport.reset_stats()
+    flashport.attention(q, q, q, attn_bias=torch.zeros(16, 16, requires_grad=True)).sum().backward()
+    assert [n for n, s in flashport.stats().items() if s["calls"]] == ["blockwise"]
+
+
+def test_mods_fuzzer_hits_it_hundreds_of_times():
+    from flashport.fuzz import mods as fuzz_mods
+    results = [fuzz_mods.run(fuzz_mods.draw(11, i), NAME, "cpu") for i in range(3000)]
+    fails = [(i, r["problems"]) for i, r in enumerate(results) if r["status"] == "FAIL"]
+    assert not fails, fails[:5]
+    assert sum(r["status"] == "PASS" for r in results) >= 100   # mask_mod / block masks / inference attn_bias

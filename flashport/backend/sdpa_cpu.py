@@ -27,20 +27,28 @@ rows get lse -inf here, and +inf in the backward (P = 0).  dK / dV add up over t
 Varlen: the same per sequence (cu_seqlens are CPU tensors here: no sync).  KV cache (inference): the same per batch
 entry over its valid cached keys, a paged cache's pages gathered first.
 
+mask_mod and block masks: the same bands, the mask built from mask_mod and the block mask's tiles on the band
+([B', H', M, N], B' / H' the call's where the mods read b / h, else 1) and its keys trimmed to the columns some row
+sees, so a packed-document mask costs each band only its own documents.  attn_bias (float32 / float64, calls that
+need no grads: the kernel's backward returns no gradient for its mask) is added to the same masks.
+
 Refused (each with its reason): softmax_scale <= 0, a backward with softmax_scale > 1.5 / sqrt(D) (both
 measured to break the tolerance rule), softcap, ALiBi on fp16 / bf16 (the kernel adds its mask in q's dtype; the
 contract's bias is float32), dropout (its RNG is not flashport's exposed keep-mask), Dv != D (the kernel's own
-check).  A differentiated lse is served by a padded column (see _bwd).
+check), score_mod, attn_bias on fp16 / bf16 or with grads.  A differentiated lse is served by a padded column (see _bwd).
 """
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 
 from .. import dispatch
 from ..capabilities import Capabilities
 from ..masks import Visibility, alibi_bias
+from ..programmable import Programmable
 from ..kvcache import sequence_kv
 from ..spec import AttnInputs, AttnSpec, alibi_per_batch, varlen_segments
 
@@ -98,18 +106,19 @@ def _parts(sq: int, sk: int, causal: bool):
     return [((0, sq), (0, sk - sq), False), ((0, sq), (sk - sq, sk), True)]
 
 
-def _additive(seen, dtype, slopes=None, band=None):
-    """The kernel's attn_mask in q's dtype (it takes no bool mask): [1, 1, M, N] with 0 where seen and -inf
-    elsewhere, plus ALiBi's -slope * |i + Sk - Sq - j| as [B, Hq, M, N] when slopes [B, Hq] are given (float32 or
-    float64 inputs only: own_reasons)."""
-    add = None
+def _additive(seen, dtype, slopes=None, band=None, bias=None):
+    """The kernel's attn_mask in q's dtype (it takes no bool mask): 0 where seen and -inf elsewhere (seen [B', H', M,
+    N], B' and H' 1 or the call's), plus ALiBi's -slope * |i + Sk - Sq - j| as [B, Hq, M, N] when slopes [B, Hq] are
+    given, plus the band's attn_bias (float32 or float64 inputs only for both: own_reasons)."""
+    add = bias
     if slopes is not None:
         m0, m1, lo, hi, sq, sk = band
         i, j = torch.arange(m0, m1)[:, None], torch.arange(lo, hi)[None, :]
-        add = alibi_bias(slopes[:, :, None, None], i, j, sq, sk).to(dtype)
+        alibi = alibi_bias(slopes[:, :, None, None], i, j, sq, sk).to(dtype)
+        add = alibi if add is None else add + alibi
     if seen is None:
         return add
-    hidden = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, _NEG_INF)[None, None]
+    hidden = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, _NEG_INF)
     return hidden if add is None else add + hidden
 
 
@@ -137,7 +146,7 @@ class SdpaCpuBackend(dispatch.Backend):
     caps = Capabilities(devices=("cpu",), dtypes=("float16", "bfloat16", "float32", "float64"),
                         max_head_dim=None, dv_ne_d=False, kinds=("dense", "varlen", "kvcache"),
                         mask_kinds=("none", "causal", "window"), softcap=False, alibi=True, dropout=False,
-                        sdpa_flash_devices=("cpu",),
+                        sdpa_flash_devices=("cpu",), mods=("mask_mod", "block_mask", "attn_bias"), mod_grads=False,
                         notes=("causal bottom-right: Sq < Sk as two kernel calls merged by lse, Sq > Sk by "
                                "skipping the rows that see no key",
                                "varlen: one kernel call per sequence (cu_seqlens read on the host, a CPU tensor)",
@@ -146,6 +155,8 @@ class SdpaCpuBackend(dispatch.Backend):
                                "windows and ALiBi: bands of 256 query rows with an additive mask; ALiBi on fp32 / "
                                "fp64 only",
                                "a differentiated lse: the backward adds one padded column (see _bwd)",
+                               "mask_mod / block masks: the bands' masks, keys trimmed to those a band sees; attn_bias "
+                               "(fp32 / fp64, forward) in the same masks; no score_mod",
                                "deterministic=True served: its backward measured bitwise reproducible, GQA included (tests/test_sdpa_cpu.py)"))
 
     def availability(self) -> list[str]:
@@ -162,6 +173,12 @@ class SdpaCpuBackend(dispatch.Backend):
             # the kernel adds its attn_mask in q's dtype: ALiBi's float32 bias (up to slope * S) would be rounded
             r.append(f"ALiBi with {str(spec.dtype).replace('torch.', '')} inputs (the kernel's mask is in q's dtype; "
                      f"the contract's bias is float32)")
+        if "attn_bias" in spec.mods and spec.dtype in (torch.float16, torch.bfloat16):
+            r.append(f"attn_bias with {str(spec.dtype).replace('torch.', '')} inputs (the kernel's mask is in q's "
+                     f"dtype; the contract adds the bias in float32)")
+        if "attn_bias" in spec.mods and (spec.needs_grad or role == "bwd"):
+            # forward too: the pair stays one backend's (a float64 call would lose its float64 lse across backends)
+            r.append("attn_bias in a call that needs grads (the kernel's backward gives no gradient for its mask)")
         if role == "bwd" and spec.softmax_scale * math.sqrt(spec.head_dim) > BWD_MAX_SCALE_RATIO:
             # measured: on peaked softmaxes the kernel's gradients err up to ~7x the fp32 math path's (the rule
             # allows 3x); at the default scale they stay well inside it
@@ -174,7 +191,7 @@ class SdpaCpuBackend(dispatch.Backend):
         causal, scale = (spec.window_left, spec.window_right), spec.softmax_scale
         slopes = alibi_per_batch(spec, inputs.alibi_slopes)
         if spec.kind == "dense":
-            return _forward(q, k, v, causal, scale, slopes)
+            return _forward(q, k, v, causal, scale, slopes, _mods(spec, inputs))
         if spec.kind == "kvcache":
             return _kvcache(spec, inputs, causal, scale, slopes)
         # varlen: one kernel call (or two, bottom-right causal) per sequence; rows past cu_seqlens_q[-1] stay zero
@@ -183,7 +200,7 @@ class SdpaCpuBackend(dispatch.Backend):
         lse = torch.full((spec.heads_q, q.shape[0]), _NEG_INF, dtype=lse_dtype, device=q.device)
         for n, (q0, q1, k0, k1) in enumerate(varlen_segments(inputs)):
             o, _, l = _forward(q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], causal, scale,
-                               None if slopes is None else slopes[n:n + 1])
+                               None if slopes is None else slopes[n:n + 1], _mods(spec, inputs, 1, n))
             out[q0:q1], lse[:, q0:q1] = o[0], l[0]
         return out, lse.float(), lse
 
@@ -195,14 +212,20 @@ class SdpaCpuBackend(dispatch.Backend):
         dout = dout.to(q.dtype)
         slopes = alibi_per_batch(spec, inputs.alibi_slopes)
         if spec.kind == "dense":
-            return _backward(dout, q, k, v, out, lse, dlse, causal, scale, slopes)
+            return _backward(dout, q, k, v, out, lse, dlse, causal, scale, slopes, _mods(spec, inputs))
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         for n, (q0, q1, k0, k1) in enumerate(varlen_segments(inputs)):
             g = _backward(dout[None, q0:q1], q[None, q0:q1], k[None, k0:k1], v[None, k0:k1], out[None, q0:q1],
                           lse[None, :, q0:q1], None if dlse is None else dlse[None, :, q0:q1], causal, scale,
-                          None if slopes is None else slopes[n:n + 1])
+                          None if slopes is None else slopes[n:n + 1], _mods(spec, inputs, 1, n))
             dq[q0:q1], dk[k0:k1], dv[k0:k1] = g[0][0], g[1][0], g[2][0]
         return dq, dk, dv
+
+
+def _mods(spec: AttnSpec, inputs: AttnInputs, batch: Optional[int] = None, b0: int = 0) -> Optional[_Mods]:
+    if inputs.prog is None:
+        return None
+    return _Mods(inputs.prog, spec.batch if batch is None else batch, spec.heads_q, b0)
 
 
 def _kvcache(spec: AttnSpec, inputs: AttnInputs, window, scale: float, slopes):
@@ -222,23 +245,71 @@ def _kvcache(spec: AttnSpec, inputs: AttnInputs, window, scale: float, slopes):
     return out, lse, None
 
 
-def _banded(window, slopes=None) -> bool:
-    """A window with a left bound, a right bound other than causal's 0, or ALiBi: served in row bands with a mask."""
+def _banded(window, slopes=None, mods=None) -> bool:
+    """A window with a left bound, a right bound other than causal's 0, ALiBi or mods: served in row bands with a
+    mask."""
     left, right = window
-    return left >= 0 or right > 0 or slopes is not None
+    return left >= 0 or right > 0 or slopes is not None or mods is not None
 
 
-def _bands(sq: int, sk: int, window, split: bool):
-    """(m0, m1, parts) per band of BAND_M rows; parts: [(lo, hi, seen or None, rows that see none of [lo, hi) or
-    None)] cover the keys some row of the band sees.  One part, masked, in general; with `split` (no ALiBi) and a
-    middle of at least SPLIT_MIN keys that every row of the band sees, three: masked edges around an unmasked middle,
-    so that the mask is built and read only where it hides something."""
+@dataclass(frozen=True)
+class _Mods:
+    """A programmable call's mask_mod / block mask / attn_bias (no score_mod: own_reasons) for one dense problem of
+    `batch` entries, the first being entry b0 of the call (a varlen sequence's index)."""
+    prog: Programmable
+    batch: int
+    heads: int
+    b0: int = 0
+
+    def index(self, m0: int, m1: int, lo: int, hi: int) -> tuple:
+        return (torch.arange(self.b0, self.b0 + self.batch).view(-1, 1, 1, 1), torch.arange(self.heads).view(1, -1, 1, 1),
+                torch.arange(m0, m1).view(1, 1, -1, 1), torch.arange(lo, hi).view(1, 1, 1, -1))
+
+    def bias(self, band, dtype):
+        """attn_bias over the band [m0, m1) x [lo, hi), as [B', H', M, N] in q's dtype, or None."""
+        bias = self.prog.attn_bias
+        if bias is None:
+            return None
+        m0, m1, lo, hi = band[:4]
+        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))   # it broadcasts from the right
+        rows = slice(m0, m1) if bias.shape[2] > 1 else slice(None)
+        cols = slice(lo, hi) if bias.shape[3] > 1 else slice(None)
+        return bias[:, :, rows, cols].to(dtype)   # dense calls only (b0 = 0): its batch dim is B or 1
+
+
+def _mods_part(vis: Visibility, mods: _Mods, m0: int, m1: int, lo: int, hi: int):
+    """The band's one part under mods: the built-in rule AND mask_mod AND the block mask, keys trimmed to the columns
+    some row of some (batch, head) sees (a packed-document mask leaves each band its own documents) -> (lo, hi,
+    seen [B', H', M, N], rows that see nothing [B', H', M]) or None when the band sees no key."""
+    idx = mods.index(m0, m1, lo, hi)
+    seen = vis.sees(idx[2], idx[3])
+    extra = mods.prog.visible(*idx)
+    if extra is not None:
+        seen = seen & extra
+    cols = seen.flatten(0, 2).any(0).nonzero()
+    if cols.numel() == 0:
+        return None
+    a, z = int(cols[0]), int(cols[-1]) + 1
+    seen = seen[..., a:z]
+    return lo + a, lo + z, seen, ~seen.any(-1)
+
+
+def _bands(sq: int, sk: int, window, split: bool, mods: Optional[_Mods] = None):
+    """(m0, m1, parts) per band of BAND_M rows; parts: [(lo, hi, seen [B', H', M, N] or None, rows that see none of
+    [lo, hi) [B', H', M] or None)] cover the keys some row of the band sees.  One part, masked, in general; with
+    `split` (no ALiBi, no mods) and a middle of at least SPLIT_MIN keys that every row of the band sees, three:
+    masked edges around an unmasked middle, so that the mask is built and read only where it hides something."""
     vis = Visibility(sq, sk, *window)
     for m0 in range(0, sq, BAND_M):
         m1 = min(m0 + BAND_M, sq)
         lo, hi = vis.key_range(m0, m1)
         lo, hi = max(lo, 0), min(hi, sk)
         if lo >= hi:
+            continue
+        if mods is not None:
+            part = _mods_part(vis, mods, m0, m1, lo, hi)
+            if part is not None:
+                yield m0, m1, [part]
             continue
         flo, fhi = vis.full_key_range(m0, m1)
         flo, fhi = max(flo, lo), min(fhi, hi)
@@ -250,12 +321,12 @@ def _bands(sq: int, sk: int, window, split: bool):
             if vis.tile_is_full(m0, m1, a, z):
                 parts.append((a, z, None, None))
             else:
-                seen = vis.sees(torch.arange(m0, m1)[:, None], torch.arange(a, z)[None, :])
-                parts.append((a, z, seen, ~seen.any(1)))
+                seen = vis.sees(torch.arange(m0, m1)[:, None], torch.arange(a, z)[None, :])[None, None]
+                parts.append((a, z, seen, ~seen.any(-1)))
         yield m0, m1, parts
 
 
-def _forward(q, k, v, window, scale: float, slopes=None):
+def _forward(q, k, v, window, scale: float, slopes=None, mods: Optional[_Mods] = None):
     """One dense problem [B, S, H, D] -> (out, lse float32, lse in the kernel's dtype); window: (left, right) with
     causal as (-1, 0); slopes: ALiBi [B, Hq] float32 or None."""
     b, sq, hq, _ = q.shape
@@ -265,17 +336,18 @@ def _forward(q, k, v, window, scale: float, slopes=None):
         out = q.new_zeros(b, sq, hq, dv)
         lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
         return out, lse.float(), lse
-    if _banded(window, slopes):
+    if _banded(window, slopes, mods):
         out = q.new_zeros(b, sq, hq, dv)
         lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
-        for m0, m1, parts in _bands(sq, sk, window, split=slopes is None):
+        for m0, m1, parts in _bands(sq, sk, window, split=slopes is None, mods=mods):
             res = []
             for lo, hi, seen, empty in parts:
-                mask = _additive(seen, q.dtype, slopes, (m0, m1, lo, hi, sq, sk))
+                band = (m0, m1, lo, hi, sq, sk)
+                mask = _additive(seen, q.dtype, slopes, band, None if mods is None else mods.bias(band, q.dtype))
                 o, l = _fwd(q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], False, scale, mask)
                 if empty is not None and empty.any():   # the kernel gives 0 and lse 0 there; the contract -inf
-                    o = o.masked_fill(empty[None, :, None, None], 0)
-                    l = l.masked_fill(empty[None, None, :], _NEG_INF)
+                    o = o.masked_fill(empty.transpose(1, 2)[..., None], 0)
+                    l = l.masked_fill(empty, _NEG_INF)
                 res.append((o, l))
             o, l = res[0] if len(res) == 1 else _merged(res, q.dtype)
             out[:, m0:m1], lse[:, :, m0:m1] = o, l
@@ -297,21 +369,23 @@ def _forward(q, k, v, window, scale: float, slopes=None):
     return out, lse.float(), lse
 
 
-def _backward(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=None):
+def _backward(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=None, mods: Optional[_Mods] = None):
     """Gradients of one dense problem from its (out, lse in the kernel's dtype)."""
     sq, sk = q.shape[1], k.shape[1]
     if q.numel() == 0 or sk == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if _banded(window, slopes):
+    if _banded(window, slopes, mods):
         # Each band's gradients from the whole problem's (out, lse): dQ of its rows, dK / dV added over the bands.
         # Rows that see nothing get lse = +inf, so P = exp(s - lse) = 0 there (the kernel would read -inf - -inf).
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-        for m0, m1, parts in _bands(sq, sk, window, split=slopes is None):
+        for m0, m1, parts in _bands(sq, sk, window, split=slopes is None, mods=mods):
             for lo, hi, seen, _ in parts:
+                band = (m0, m1, lo, hi, sq, sk)
+                mask = _additive(seen, q.dtype, slopes, band, None if mods is None else mods.bias(band, q.dtype))
                 gq, gk, gv = _bwd(dout[:, m0:m1], q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], out[:, m0:m1],
                                   lse[:, :, m0:m1].contiguous(), None if dlse is None else dlse[:, :, m0:m1], False,
-                                  scale, _additive(seen, q.dtype, slopes, (m0, m1, lo, hi, sq, sk)))
+                                  scale, mask)
                 dq[:, m0:m1] += gq
                 dk[:, lo:hi] += gk
                 dv[:, lo:hi] += gv
