@@ -72,18 +72,18 @@ def test_bench_cpu_quick_writes_json_and_png(tmp_path):
     assert doc["environment"]["torch"] == torch.__version__ and doc["environment"]["card"]
     assert doc["timestamp"] and doc["suite"] == "cpu"
     res = doc["results"]
-    # rows: forward, forward+backward causal, a sliding window; peers: SDPA-CPU, blockwise, naive
-    assert {e["impl"] for e in res} == {"flashport", "sdpa-cpu", "blockwise", "naive"} and len(res) == 12
+    # rows: forward, forward+backward causal, a sliding window, packed documents; peers: SDPA-CPU, blockwise, naive
+    assert {e["impl"] for e in res} == {"flashport", "sdpa-cpu", "blockwise", "naive"} and len(res) == 16
     assert {e["mode"] for e in res} == {"fwd", "fwd+bwd"}
     for e in res:
-        if e["impl"] == "sdpa-cpu" and e["window"] != [-1, -1]:
-            assert e["status"] == "not-served" and "window" in e["error"]
+        if e["impl"] == "sdpa-cpu" and (e["window"] != [-1, -1] or e["docs"]):
+            assert e["status"] == "not-served" and ("window" in e["error"] or "documents" in e["error"])
             continue
         assert e["status"] == "ok", e
         assert e["time_s"] > 0 and e["runs"] >= 1 and "peak_extra_mb" in e and e["threads"] >= 1
         assert e["max_err_vs_fp64"] < 1e-5 and e["max_diff_vs_naive"] < 1e-5
         assert "naive" in e["speedup_vs"] or e["impl"] == "naive"
-    # backend=None takes PyTorch's CPU kernel on every row, the window included (sdpa-cpu's masked bands)
+    # backend=None takes PyTorch's CPU kernel on every row, the window and the documents included (masked bands)
     assert {e["backend"] for e in res if e["impl"] == "flashport"} == {"sdpa-cpu"}
     summ = doc["cpu_summary"]
     assert summ["threads"] and summ["min_auto_vs_sdpa"] is not None and summ["min_blockwise_vs_sdpa"] is not None

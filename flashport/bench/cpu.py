@@ -1,8 +1,9 @@
 """The CPU main job: flashport (backend=None) against its peers on a CPU, fp32: torch's own
 F.scaled_dot_product_attention (its CPU flash kernel: exact, linear memory -- the peer to beat), naive
 materialised attention, and flashport's `blockwise` named (the path for what SDPA cannot serve).  Rows:
-forward non-causal over S, and at one size forward causal, forward+backward causal and a sliding window
-(SDPA has no window: its cell is "not-served" with the reason).  The thread count is recorded per cell.
+forward non-causal over S, and at one size forward causal, forward+backward causal, a sliding window and packed
+documents through a mask_mod (SDPA has neither without an S x S mask: its cells are "not-served" with the reason).
+The thread count is recorded per cell.
 
 Each (S, implementation) runs in a fresh subprocess so that its peak memory is its own: the
 worker makes its inputs, runs the call once (timed as first_s: a compile lands there), resets the process's
@@ -29,11 +30,22 @@ from .shapes import CPU_IMPLS, CpuConfig, cpu_rows
 _KB = 1024  # ru_maxrss is in KiB on Linux
 
 
-def naive_attention(q, k, v, scale: float, causal: bool = False, window=(-1, -1)):
-    """Materialised attention, fp32: softmax(scale * q @ k^T + mask) @ v on [B, S, H, D] tensors (S x S scores)."""
+def doc_ids(cfg: CpuConfig):
+    """The packed-documents row's document of each position: `docs` equal runs (the last one takes the rest)."""
+    import torch
+    return (torch.arange(cfg.s) // (cfg.s // cfg.docs)).clamp(max=cfg.docs - 1)
+
+
+def naive_attention(q, k, v, scale: float, causal: bool = False, window=(-1, -1), docs=None):
+    """Materialised attention, fp32: softmax(scale * q @ k^T + mask) @ v on [B, S, H, D] tensors (S x S scores);
+    docs: [S] document ids of a causal document mask, or None."""
     import torch
     qh, kh, vh = (t.transpose(1, 2) for t in (q, k, v))
     s = (qh * scale) @ kh.transpose(-1, -2)
+    if docs is not None:
+        d = docs[: q.shape[1]]   # the warm-up call runs a shorter S
+        s = s.masked_fill((d[:, None] != d[None, :]) | torch.ones_like(s[0, 0], dtype=torch.bool).triu(1),
+                          float("-inf"))
     left, right = window
     if causal:
         right = 0
@@ -50,16 +62,26 @@ def sdpa_reasons(cfg: CpuConfig) -> list[str]:
     if tuple(cfg.window) != (-1, -1):
         return ["sliding window: SDPA has no window argument (an additive S x S mask would be O(S^2) memory "
                 "and leave its flash kernel)"]
+    if cfg.docs:
+        return ["packed documents: SDPA takes no mask_mod (an additive S x S mask would be O(S^2) memory)"]
     return []
+
+
+def _mods_kw(cfg: CpuConfig) -> dict:
+    if not cfg.docs:
+        return {}
+    from flashport import mods
+    return {"mask_mod": mods.document(doc_ids(cfg))}
 
 
 def _impl(cfg: CpuConfig, scale: float):
     import torch.nn.functional as F
 
     import flashport
-    kw = dict(causal=cfg.causal, window_size=tuple(cfg.window))
+    kw = dict(causal=cfg.causal, window_size=tuple(cfg.window), **_mods_kw(cfg))
     if cfg.impl == "naive":
-        return lambda q, k, v: naive_attention(q, k, v, scale, cfg.causal, tuple(cfg.window))
+        docs = doc_ids(cfg) if cfg.docs else None
+        return lambda q, k, v: naive_attention(q, k, v, scale, cfg.causal, tuple(cfg.window), docs)
     if cfg.impl == "sdpa-cpu":   # Sq == Sk here, so SDPA's top-left is_causal is flashport's causal
         return lambda q, k, v: F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=cfg.causal).transpose(1, 2)
@@ -127,7 +149,8 @@ def worker(cfg: CpuConfig, out_path: str) -> dict:
     q, k, v = inputs(cfg.s)
     if cfg.impl == "flashport":   # the real size: a window that reaches every key of a short call is causal
         spec = dense_spec(q, k, v, causal=cfg.causal, softmax_scale=None, window_size=tuple(cfg.window),
-                          softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)[0]
+                          softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False,
+                          **_mods_kw(cfg))[0]
         rec["backend"] = dispatch.select(spec).name
     do = torch.randn(cfg.b, cfg.s, cfg.h, cfg.d, generator=torch.Generator().manual_seed(1))
     rss0, max0 = _rss(), _maxrss()
@@ -161,8 +184,13 @@ def worker(cfg: CpuConfig, out_path: str) -> dict:
                          "rounds": len(mine)}
     if cfg.s <= cfg.fp64_check_max_s:
         left, right = cfg.window
+        prog = None
+        if cfg.docs:
+            from flashport.programmable import build
+            prog = build(None, _mods_kw(cfg)["mask_mod"], None, None, batch=cfg.b, heads_q=cfg.h, sq=cfg.s,
+                         sk=cfg.s, device="cpu")
         ref, _ = materialized_attention(q.detach(), k.detach(), v.detach(), scale=scale, left=left,
-                                        right=0 if cfg.causal else right, compute_dtype=torch.float64)
+                                        right=0 if cfg.causal else right, compute_dtype=torch.float64, prog=prog)
         rec["max_err_vs_fp64"] = (out.double() - ref.double()).abs().max().item()
     torch.save(out.contiguous(), out_path)
     rec["threads"] = torch.get_num_threads()
@@ -216,9 +244,10 @@ def run_cpu(sizes, heads: int, tick, mem_fraction: float = 0.5, budget_s: float 
             for impl in CPU_IMPLS:
                 cfg = CpuConfig(impl=impl, h=heads, threads=threads, **row)
                 e = {"suite": "cpu", "impl": impl, "s": cfg.s, "label": cfg.label(), "mode": cfg.mode,
-                     "causal": cfg.causal, "window": list(cfg.window), "config": asdict(cfg), "flops": cfg.flops()}
+                     "causal": cfg.causal, "window": list(cfg.window), "docs": cfg.docs, "config": asdict(cfg),
+                     "flops": cfg.flops()}
                 budget = psutil.virtual_memory().available * mem_fraction
-                key = (impl, cfg.mode, cfg.causal, tuple(cfg.window))
+                key = (impl, cfg.mode, cfg.causal, tuple(cfg.window), cfg.docs)
                 predicted, left = _predict_s(last.get(key), cfg.s), budget_s - (time.perf_counter() - start)
                 why = sdpa_reasons(cfg) if impl == "sdpa-cpu" else []
                 if why:

@@ -159,7 +159,7 @@ def plot_cpu(doc: dict, path: str) -> None:
     entries = doc["results"]
     fig, (ax_t, ax_r, ax_m) = plt.subplots(1, 3, figsize=(17, 5.2))
     dense = [e for e in entries if e.get("mode", "fwd") == "fwd" and not e.get("causal")
-             and tuple(e.get("window", (-1, -1))) == (-1, -1)]
+             and tuple(e.get("window", (-1, -1))) == (-1, -1) and not e.get("docs")]
     for impl in dict.fromkeys(e["impl"] for e in entries):
         ok = [e for e in dense if e["impl"] == impl and e["status"] == "ok"]
         if impl == "flashport":

@@ -187,11 +187,12 @@ class CpuConfig:
     mode: str = "fwd"
     causal: bool = False
     window: tuple = (-1, -1)
+    docs: int = 0                  # > 0: that many equal packed documents under a causal document mask_mod
 
     def label(self) -> str:
         mask = "causal" if self.causal else (f"window{self.window[0]}_{self.window[1]}"
                                              if tuple(self.window) != (-1, -1) else "dense")
-        return f"{self.mode} s{self.s} h{self.h} d{self.d} {mask}"
+        return f"{self.mode} s{self.s} h{self.h} d{self.d} " + (f"docs{self.docs}" if self.docs else mask)
 
     def naive_peak_bytes(self) -> int:
         """Scores and their softmax are both alive at once: 2 x B*H*S*S float32 (and their gradients backward)."""
@@ -204,7 +205,9 @@ class CpuConfig:
         """FlashAttention's convention: 4·B·H·S²·D forward, halved for causal; backward 2.5x forward; a window
         counts its visible pairs."""
         f = 4.0 * self.b * self.h * self.s * self.s * self.d
-        if self.causal:
+        if self.docs:
+            f /= 2 * self.docs      # causal inside each of `docs` equal documents
+        elif self.causal:
             f /= 2
         elif tuple(self.window) != (-1, -1):
             left, right = self.window
@@ -213,7 +216,8 @@ class CpuConfig:
 
 
 CPU_IMPLS = ("flashport", "sdpa-cpu", "blockwise", "naive")
-CPU_WINDOW = (256, 0)   # the feature row: a causal sliding window, which SDPA cannot serve
+CPU_WINDOW = (256, 0)   # the feature rows: a causal sliding window, which SDPA cannot serve,
+CPU_DOCS = 8            # and packed documents through a mask_mod (SDPA would need an S x S mask)
 
 
 def cpu_sizes(quick: bool = False, max_s: Optional[int] = None) -> list[int]:
@@ -223,11 +227,12 @@ def cpu_sizes(quick: bool = False, max_s: Optional[int] = None) -> list[int]:
 
 def cpu_rows(sizes: list[int], quick: bool = False) -> list[dict]:
     """The job's rows: forward non-causal at each size, and at one middle size (4096; 256 quick) forward causal,
-    forward+backward causal and forward with a sliding window."""
+    forward+backward causal, forward with a sliding window and forward over packed documents (a mask_mod)."""
     mid = 256 if quick else (4096 if 4096 in sizes or not sizes else sizes[len(sizes) // 2])
     # quick: a narrower window, so that at S=256 it still bounds the keys (a window reaching every key is causal)
     window = (32, 0) if quick else CPU_WINDOW
-    extra = [dict(s=mid, causal=True), dict(s=mid, causal=True, mode="fwd+bwd"), dict(s=mid, window=window)]
+    extra = [dict(s=mid, causal=True), dict(s=mid, causal=True, mode="fwd+bwd"), dict(s=mid, window=window),
+             dict(s=mid, docs=CPU_DOCS)]
     if quick:
         return [dict(s=sizes[0])] + extra[1:]
     # the feature rows right after the middle size, so a time budget cut lands on the largest sizes
