@@ -8,6 +8,7 @@ flashport never fixes that choice.  kvcache calls go to flashport.kernels.decode
 from __future__ import annotations
 
 import functools
+import weakref
 from typing import Optional
 
 import torch
@@ -18,8 +19,9 @@ from ..kernels import versions
 from ..kernels.versions import is_tested, tested_text
 from ..spec import AttnInputs, AttnSpec
 
-# Programmable features the kernels compile (kernels/mod_codegen.py); block masks and attn_bias are not served yet.
-MODS = ("score_mod", "mask_mod")
+# Programmable features the kernels serve: mods compiled by kernels/mod_codegen.py, block masks' empty tiles skipped
+# (kernels/block_skip.py); attn_bias is not served yet.
+MODS = ("score_mod", "mask_mod", "block_mask")
 
 MAX_HEAD_DIM = 256
 MAX_GRID_YZ = 65535  # CUDA grid limit for the head and batch dimensions
@@ -103,7 +105,8 @@ class TritonBackend(dispatch.Backend):
                                "KV cache: inference only, limits in kernels/decode.py",
                                "score_mod / mask_mod: compiled from their traced aten graph (kernels/mod_codegen.py); "
                                "a mod outside its whitelist, or a captured tensor that requires grad in a "
-                               "differentiable call, is refused with the reason when the call runs"))
+                               "differentiable call, is refused with the reason when the call runs",
+                               "block_mask: its empty tiles are skipped (kernels/block_skip.py)"))
 
     # The Gluon kernels call these with hopper=True (backend/gluon.py).
     hopper = False
@@ -146,7 +149,8 @@ class TritonBackend(dispatch.Backend):
         with device_guard(spec.device):
             return attn_fwd.forward(spec, inputs.q, inputs.k, inputs.v, alibi=inputs.alibi_slopes,
                                     cu_seqlens_q=inputs.cu_seqlens_q, cu_seqlens_k=inputs.cu_seqlens_k,
-                                    rng_state=inputs.rng_state, hopper=self.hopper, mods=mods)
+                                    rng_state=inputs.rng_state, hopper=self.hopper, mods=mods,
+                                    block_mask=_block_mask(inputs))
 
     def backward(self, spec: AttnSpec, inputs: AttnInputs, saved: dispatch.Saved, dout, dlse):
         from ..kernels import attn_bwd
@@ -156,7 +160,30 @@ class TritonBackend(dispatch.Backend):
             return attn_bwd.backward(spec, dout, saved.q, saved.k, saved.v, saved.out, lse2_of(saved), dlse=dlse,
                                      alibi=inputs.alibi_slopes, cu_seqlens_q=inputs.cu_seqlens_q,
                                      cu_seqlens_k=inputs.cu_seqlens_k, rng_state=inputs.rng_state,
-                                     hopper=self.hopper, mods=mods)
+                                     hopper=self.hopper, mods=mods, block_mask=_block_mask(inputs))
+
+
+def _block_mask(inputs: AttnInputs):
+    return None if inputs.prog is None else inputs.prog.block_mask
+
+
+# block mask -> (mask_mod, the mask the kernels compile): one function object per pair, so that compiles are memoised
+_VISIBLE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def visible_mask(prog):
+    """The per-element rule the kernels compile: mask_mod, AND with a block mask the element's block is not empty
+    (Programmable.visible; the kernels skip the tiles it leaves empty, but a kernel tile may straddle blocks)."""
+    bm, mask_mod = prog.block_mask, prog.mask_mod
+    if bm is None:
+        return mask_mod
+    hit = _VISIBLE.get(bm)
+    if hit is None or hit[0] is not mask_mod:
+        def mask(b, h, q_idx, kv_idx):
+            seen = bm.tile_visible(b, h, q_idx, kv_idx)
+            return seen if mask_mod is None else seen & mask_mod(b, h, q_idx, kv_idx)
+        hit = _VISIBLE[bm] = (mask_mod, mask)
+    return hit[1]
 
 
 def mod_reasons(spec: AttnSpec, prog) -> list[str]:
@@ -172,18 +199,19 @@ def compiled_mods(spec: AttnSpec, inputs: AttnInputs):
     UnsupportedError with the reason where the kernels cannot serve them: dispatch chooses from the spec, which
     holds the features' names but not the functions, so a mod is judged here, before any kernel runs."""
     prog = inputs.prog
-    if prog is None or (prog.score_mod is None and prog.mask_mod is None):
+    if prog is None or (prog.score_mod is None and prog.mask_mod is None and prog.block_mask is None):
         return None
     mods = inputs.extra.get("triton_mods")     # the forward's, reused by the backward of the same call
     if mods is None:
         reasons = mod_reasons(spec, prog)
         if not reasons:
             from ..kernels.mod_codegen import compile_mods
-            got = compile_mods(prog.score_mod, prog.mask_mod, spec.device)
+            got = compile_mods(prog.score_mod, visible_mask(prog), spec.device)
             reasons = [got] if isinstance(got, str) else []
             mods = None if reasons else got
         if reasons:
-            raise dispatch.UnsupportedError("backend 'triton' cannot serve this call:\n  - triton: " + "; ".join(reasons))
+            raise dispatch.UnsupportedError("backend 'triton' cannot serve this call:\n  - triton: "
+                                            + "; ".join(reasons))
         inputs.extra["triton_mods"] = mods
     return mods
 

@@ -25,8 +25,9 @@ import triton
 import triton.language as tl
 
 from . import attn_bwd_hopper
-from .common import (LN2_K, LOG2E_K, KernelArgs, block_dim, cdiv, dropout_keep, head_scalars, head_strides, key_tiles, load_head_tile,
-                     load_tile, mask_scores, offset, query_tiles, seq_bounds, stride_align, tile_part, transform_log2)
+from .common import (LN2_K, LOG2E_K, KernelArgs, block_dim, cdiv, dropout_keep, head_scalars, head_strides, key_tiles,
+                     load_head_tile, load_tile, mask_scores, offset, query_tiles, seq_bounds, stride_align, tile_part,
+                     transform_log2)
 from .launch import DirectLauncher
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
 
@@ -63,58 +64,65 @@ def _bwd_preprocess(Out, DO, Delta, CuQ, DQacc, stride_ob, stride_os, stride_oh,
 @triton.jit
 def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stride_dos, lo, hi,
                 full_lo, full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed,
-                rng_offset, bh, drop_threshold, drop_scale, sm_scale, b, h, mods, D: tl.constexpr, DV: tl.constexpr,
+                rng_offset, bh, drop_threshold, drop_scale, sm_scale, b, h, mods, skip_base, skip_step, D: tl.constexpr,
+                DV: tl.constexpr,
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-                MASK_MOD: tl.constexpr):
+                MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr):
     """Accumulate dK, dV over Q tiles [lo, hi) of one query head; q_ptr / do_ptr at row lo, lse_ptr /
     delta_ptr at row 0; Q tiles in [full_lo, full_hi) need no mask (MASK == 2).  Works on transposed
     scores s^T [BLOCK_N, BLOCK_M].  dS carries softmax_scale, so dK needs no epilogue scaling.  Mods as in
-    attn_fwd._fwd_tiles; SCORE_GRAD = d SCORE_MOD / d score chains dS through the score_mod."""
+    attn_fwd._fwd_tiles; SCORE_GRAD = d SCORE_MOD / d score chains dS through the score_mod.  BLOCK_SKIP as in
+    _fwd_tiles, over Q tiles."""
     offs_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     q_offs = offs_mb[:, None] * stride_qs + offs_d[None, :]
     do_offs = offs_mb[:, None] * stride_dos + offs_dv[None, :]
     for start_m in range(lo, hi, BLOCK_M):
-        offs_m = start_m + offs_mb
-        q = load_tile(q_ptr + q_offs, offs_m[:, None], sq, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
-        do = load_tile(do_ptr + do_offs, offs_m[:, None], sq, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
-        if MASK != 0:
-            # Rows past Sq get lse2 = +inf (as rows without keys already have): P = 0, no NaN.
-            lse2 = tl.load(lse_ptr + offs_m, mask=offs_m < sq, other=float("inf"))
-            delta = tl.load(delta_ptr + offs_m, mask=offs_m < sq, other=0.0)
+        if BLOCK_SKIP:   # a tile the block mask leaves empty is skipped whole (a run-time branch)
+            live = tl.load(skip_base + (start_m // BLOCK_M) * skip_step) != 0
         else:
-            lse2 = tl.load(lse_ptr + offs_m)
-            delta = tl.load(delta_ptr + offs_m)
-        qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
-        s_t, t_t = transform_log2(qk_t, offs_m[None, :], offs_n[:, None], diag, qk_scale, cap_in, cap_out, slope2,
-                              SOFTCAP, ALIBI, PRECISION == "ieee")
-        if SCORE_MOD is not None:   # natural units around the mod, as in the forward
-            g_t = SCORE_GRAD(s_t, b, h, offs_m[None, :], offs_n[:, None], mods)
-            s_t = SCORE_MOD(s_t, b, h, offs_m[None, :], offs_n[:, None], mods) * LOG2E_K
-        s_t = mask_scores(s_t, offs_m[None, :], offs_n[:, None], sk, diag, left, right,
-                          (start_m < full_lo) | (start_m >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
-        if MASK_MOD is not None:
-            s_t = tl.where(MASK_MOD(b, h, offs_m[None, :], offs_n[:, None], mods), s_t, float("-inf"))
-        p_t = tl.exp2(s_t - lse2[None, :])
-        dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
-        if DROPOUT:
-            keep = dropout_keep(seed, rng_offset, bh, offs_m[None, :], offs_n[:, None], drop_threshold)
-            pz_t = tl.where(keep, p_t * drop_scale, 0.0)
-            dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
-        else:
-            pz_t = p_t
-        dv += tl.dot(pz_t.to(do.dtype), do, input_precision=PRECISION)
-        # scale * P * (dP - Delta) with the scale inside one FMA: dS already holds d(score) / d(qk).
-        ds_t = p_t * (dp_t * sm_scale - (delta * sm_scale)[None, :])
-        if SCORE_MOD is not None:
-            # 0 where p is: a hidden pair's derivative may be anything (inf, NaN), and must not reach dK
-            ds_t = tl.where(p_t == 0.0, 0.0, ds_t * g_t)
-        if SOFTCAP:
-            ds_t = ds_t * (1.0 - t_t * t_t)
-        dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
+            live: tl.constexpr = True   # a static `if` below: the body runs as it did before block masks
+        if live:
+            offs_m = start_m + offs_mb
+            q = load_tile(q_ptr + q_offs, offs_m[:, None], sq, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
+            do = load_tile(do_ptr + do_offs, offs_m[:, None], sq, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
+            if MASK != 0:
+                # Rows past Sq get lse2 = +inf (as rows without keys already have): P = 0, no NaN.
+                lse2 = tl.load(lse_ptr + offs_m, mask=offs_m < sq, other=float("inf"))
+                delta = tl.load(delta_ptr + offs_m, mask=offs_m < sq, other=0.0)
+            else:
+                lse2 = tl.load(lse_ptr + offs_m)
+                delta = tl.load(delta_ptr + offs_m)
+            qk_t = tl.dot(k, tl.trans(q), input_precision=PRECISION)
+            s_t, t_t = transform_log2(qk_t, offs_m[None, :], offs_n[:, None], diag, qk_scale, cap_in, cap_out, slope2,
+                                  SOFTCAP, ALIBI, PRECISION == "ieee")
+            if SCORE_MOD is not None:   # natural units around the mod, as in the forward
+                g_t = SCORE_GRAD(s_t, b, h, offs_m[None, :], offs_n[:, None], mods)
+                s_t = SCORE_MOD(s_t, b, h, offs_m[None, :], offs_n[:, None], mods) * LOG2E_K
+            s_t = mask_scores(s_t, offs_m[None, :], offs_n[:, None], sk, diag, left, right,
+                              (start_m < full_lo) | (start_m >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
+            if MASK_MOD is not None:
+                s_t = tl.where(MASK_MOD(b, h, offs_m[None, :], offs_n[:, None], mods), s_t, float("-inf"))
+            p_t = tl.exp2(s_t - lse2[None, :])
+            dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
+            if DROPOUT:
+                keep = dropout_keep(seed, rng_offset, bh, offs_m[None, :], offs_n[:, None], drop_threshold)
+                pz_t = tl.where(keep, p_t * drop_scale, 0.0)
+                dp_t = tl.where(keep, dp_t * drop_scale, 0.0)
+            else:
+                pz_t = p_t
+            dv += tl.dot(pz_t.to(do.dtype), do, input_precision=PRECISION)
+            # scale * P * (dP - Delta) with the scale inside one FMA: dS already holds d(score) / d(qk).
+            ds_t = p_t * (dp_t * sm_scale - (delta * sm_scale)[None, :])
+            if SCORE_MOD is not None:
+                # 0 where p is: a hidden pair's derivative may be anything (inf, NaN), and must not reach dK
+                ds_t = tl.where(p_t == 0.0, 0.0, ds_t * g_t)
+            if SOFTCAP:
+                ds_t = ds_t * (1.0 - t_t * t_t)
+            dk += tl.dot(ds_t.to(q.dtype), q, input_precision=PRECISION)
         q_ptr += BLOCK_M * stride_qs
         do_ptr += BLOCK_M * stride_dos
     return dk, dv
@@ -126,11 +134,11 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
               stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
               stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh,
               stride_slope_b, seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold,
-              drop_scale, sm_scale, mods, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+              drop_scale, sm_scale, mods, skip, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
               DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
-              SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr):
+              SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)  # query head; its K/V come from kv head h // G
     b = tl.program_id(2)
@@ -155,6 +163,11 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
     slope2, seed, rng_offset, bh = head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI, DROPOUT)
     if SCORE_MOD is not None:
         slope2 = slope2 * LN2_K   # natural units before a score_mod
+    skip_base = 0
+    skip_step = 0
+    if BLOCK_SKIP:   # this K tile's column of the live-tile table (attn_fwd's note)
+        skip_base = skip[0] + b * skip[1] + h * skip[2] + pid_n * skip[4]
+        skip_step = skip[3]
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     h64, q0 = tl.cast(h, tl.int64), tl.cast(q_start, tl.int64)
@@ -170,9 +183,9 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
         dk, dv = _dkdv_tiles(
             dk, dv, k, v, q_ptr + r * stride_qs, do_ptr + r * stride_dos, lse_ptr, delta_ptr, stride_qs,
             stride_dos, p_lo, p_hi, full_lo, full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out,
-            slope2, seed, rng_offset, bh, drop_threshold, drop_scale, sm_scale, b, h, mods, D, DV, BLOCK_M, BLOCK_D,
-            BLOCK_DV, (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION,
-            SCORE_MOD, SCORE_GRAD, MASK_MOD)
+            slope2, seed, rng_offset, bh, drop_threshold, drop_scale, sm_scale, b, h, mods, skip_base, skip_step, D, DV,
+            BLOCK_M, BLOCK_D, BLOCK_DV, (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
+            DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, BLOCK_SKIP)
 
     row_mask = offs_n[:, None] < sk
     dk_ptr = DK + offset(b64, h64, row0, stride_dkb, stride_dkh, stride_dks, ALIGN)
@@ -187,10 +200,10 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
 def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, full_lo, full_hi, offs_m, sk, diag,
               left, right,
               qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, drop_scale, b, h, mods,
-              D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              skip_base, skip_step, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
               BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
               SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-              SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr):
+              SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr):
     """Accumulate dS K over key tiles [lo, hi); k_ptr / v_ptr at key row lo; key tiles in
     [full_lo, full_hi) need no mask (MASK == 2).  Mods as in _dkdv_tiles."""
     offs_nb = tl.arange(0, BLOCK_N)
@@ -199,30 +212,35 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi
     k_offs = offs_nb[:, None] * stride_ks + offs_d[None, :]
     v_offs = offs_nb[:, None] * stride_vs + offs_dv[None, :]
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_nb
-        k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
-        v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        s, t = transform_log2(qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, cap_in, cap_out, slope2, SOFTCAP,
-                          ALIBI, PRECISION == "ieee")
-        if SCORE_MOD is not None:   # natural units around the mod, as in the forward
-            g = SCORE_GRAD(s, b, h, offs_m[:, None], offs_n[None, :], mods)
-            s = SCORE_MOD(s, b, h, offs_m[:, None], offs_n[None, :], mods) * LOG2E_K
-        s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right,
-                        (start_n < full_lo) | (start_n >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
-        if MASK_MOD is not None:
-            s = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), s, float("-inf"))
-        p = tl.exp2(s - lse2[:, None])
-        dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
-        if DROPOUT:
-            keep = dropout_keep(seed, rng_offset, bh, offs_m[:, None], offs_n[None, :], drop_threshold)
-            dp = tl.where(keep, dp * drop_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        if SCORE_MOD is not None:
-            ds = tl.where(p == 0.0, 0.0, ds * g)   # as in _dkdv_tiles
-        if SOFTCAP:
-            ds = ds * (1.0 - t * t)
-        dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
+        if BLOCK_SKIP:   # a tile the block mask leaves empty is skipped whole (a run-time branch)
+            live = tl.load(skip_base + (start_n // BLOCK_N) * skip_step) != 0
+        else:
+            live: tl.constexpr = True   # a static `if` below: the body runs as it did before block masks
+        if live:
+            offs_n = start_n + offs_nb
+            k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
+            v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            s, t = transform_log2(qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, cap_in, cap_out, slope2,
+                                  SOFTCAP, ALIBI, PRECISION == "ieee")
+            if SCORE_MOD is not None:   # natural units around the mod, as in the forward
+                g = SCORE_GRAD(s, b, h, offs_m[:, None], offs_n[None, :], mods)
+                s = SCORE_MOD(s, b, h, offs_m[:, None], offs_n[None, :], mods) * LOG2E_K
+            s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right,
+                            (start_n < full_lo) | (start_n >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
+            if MASK_MOD is not None:
+                s = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), s, float("-inf"))
+            p = tl.exp2(s - lse2[:, None])
+            dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
+            if DROPOUT:
+                keep = dropout_keep(seed, rng_offset, bh, offs_m[:, None], offs_n[None, :], drop_threshold)
+                dp = tl.where(keep, dp * drop_scale, 0.0)
+            ds = p * (dp - delta[:, None])
+            if SCORE_MOD is not None:
+                ds = tl.where(p == 0.0, 0.0, ds * g)   # as in _dkdv_tiles
+            if SOFTCAP:
+                ds = ds * (1.0 - t * t)
+            dq += tl.dot(ds.to(k.dtype), k, input_precision=PRECISION)
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
     return dq
@@ -233,11 +251,11 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
             stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
             stride_dob, stride_dos, stride_doh, stride_dqb, stride_dqs, stride_dqh, stride_lb, stride_lh,
             stride_slope_b, seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold,
-            drop_scale, sm_scale, mods, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+            drop_scale, sm_scale, mods, skip, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
             HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
             DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
-            SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr):
+            SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr):
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
     b = tl.program_id(2)
@@ -266,6 +284,11 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
     slope2, seed, rng_offset, bh = head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI, DROPOUT)
     if SCORE_MOD is not None:
         slope2 = slope2 * LN2_K   # natural units before a score_mod
+    skip_base = 0
+    skip_step = 0
+    if BLOCK_SKIP:   # this Q tile's row of the live-tile table (attn_fwd's note)
+        skip_base = skip[0] + b * skip[1] + h * skip[2] + pid_m * skip[3]
+        skip_step = skip[4]
     k_base = K + offset(b64, kvh, k_start, stride_kb, stride_kh, stride_ks, ALIGN)
     v_base = V + offset(b64, kvh, k_start, stride_vb, stride_vh, stride_vs, ALIGN)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
@@ -274,23 +297,23 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
         r = tl.cast(p_lo, tl.int64)
         dq = _dq_tiles(dq, q, do, lse2, delta, k_base + r * stride_ks, v_base + r * stride_vs, stride_ks, stride_vs,
                        p_lo, p_hi, full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2,
-                       seed, rng_offset, bh, drop_threshold, drop_scale, b, h, mods, D, DV, BLOCK_N, BLOCK_D,
-                       BLOCK_DV, (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-                       DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD)
+                       seed, rng_offset, bh, drop_threshold, drop_scale, b, h, mods, skip_base, skip_step, D, DV,
+                       BLOCK_N, BLOCK_D, BLOCK_DV, (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT,
+                       SOFTCAP, ALIBI, DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, BLOCK_SKIP)
     dq_ptr = DQ + offset(b64, h64, row0, stride_dqb, stride_dqh, stride_dqs, ALIGN)
     tl.store(dq_ptr + offs_mb[:, None] * stride_dqs + offs_d[None, :], (dq * sm_scale).to(DQ.dtype.element_ty),
              mask=(offs_m[:, None] < sq) & (offs_d[None, :] < D))
 
 
 def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None,
-             dlse=None, configs=None, hopper=False, mods=None):
+             dlse=None, configs=None, hopper=False, mods=None, block_mask=None):
     """Gradients (dq, dk, dv) shaped like q, k, v, given dO shaped like out and the forward's out and
     lse2 (its log2-domain lse, see attn_fwd.forward).
     dlse: optional gradient of the lse output (d lse / d s = P, so it folds into Delta: Delta - dlse).
     configs: optional {"bwd_dkdv": KernelConfig, "bwd_dq": KernelConfig} to force (autotuning).
     hopper: the gluon backend's call (attn_bwd_hopper, whose spec limits its supports() checked); these kernels
     serve instead when the tensors are not TMA-ready or the Gluon kernel failed to compile here (counted).
-    mods: the call's kernels.mod_codegen.CompiledMods, or None (the Hopper kernels take none)."""
+    mods, block_mask: as attn_fwd.forward's (the Hopper kernels take neither)."""
     varlen = spec.kind == "varlen"
     if do.stride(-1) != 1:
         do = do.contiguous()
@@ -321,7 +344,7 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
             return dq, dk, dv
         attn_bwd_hopper.fallbacks["compile failure"] += 1
     hq, hkv = spec.heads_q, spec.heads_kv
-    a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state, mods)
+    a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state, mods, block_mask)
     a.cover(do, out, dq, dk, dv)
     do_s = a.strides(do)
     common = (a.slope_stride, a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,
@@ -344,15 +367,16 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
         grid = (cdiv(spec.seqlen_k, cfg.block_n), hq, spec.batch)
         _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk_out, dv_out, a.slopes, a.cu_q, a.cu_k, a.rng,
                         *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk_out), *a.strides(dv_out),
-                        *l_strides, *common, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
-                        SCORE_GRAD=a.score_grad, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
+                        *l_strides, *common, a.skip(cfg.block_m, cfg.block_n), BLOCK_M=cfg.block_m,
+                        BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCORE_GRAD=a.score_grad, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages, **a.constexprs)
 
     def launch_dq(cfg):
         grid = (cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
         _bwd_dq[grid](q, k, v, do, lse2, delta, dq, a.slopes, a.cu_q, a.cu_k, a.rng,
                       *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dq), *l_strides, *common,
-                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCORE_GRAD=a.score_grad,
-                      num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
+                      a.skip(cfg.block_m, cfg.block_n), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
+                      SCORE_GRAD=a.score_grad, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
 
     launch_with_fallback("bwd_dkdv", spec, q.device, launch_dkdv, configs.get("bwd_dkdv"))
     launch_with_fallback("bwd_dq", spec, q.device, launch_dq, configs.get("bwd_dq"))

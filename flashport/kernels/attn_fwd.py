@@ -19,8 +19,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .common import (LN2_K, LOG2E_K, KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile, mask_scores,
-                     offset, seq_bounds, tile_part, transform_log2)
+from .common import (LN2_K, LOG2E_K, KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile,
+                     mask_scores, offset, seq_bounds, tile_part, transform_log2)
 from . import attn_fwd_hopper
 from .tuning import launch_with_fallback
 
@@ -28,63 +28,69 @@ from .tuning import launch_with_fallback
 @triton.jit
 def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, full_lo, full_hi, offs_m, sk, diag,
                left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh, drop_threshold, b, h, mods,
-               D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+               skip_base, skip_step, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-               SCALE_FOLD: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
+               SCALE_FOLD: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr):
     """Key tiles [lo, hi) (lo a multiple of BLOCK_N); k_ptr / v_ptr point at key row lo.  Tiles in
     [full_lo, full_hi) need no mask (used when MASK == 2, see common.mask_scores).  SCORE_MOD / MASK_MOD: the
     generated functions of kernels/mod_codegen.py (None without mods), reading the captured tensors in `mods`;
-    b, h: the batch entry and query head they see."""
+    b, h: the batch entry and query head they see.  BLOCK_SKIP: key tile t is visited only where
+    skip_base[t * skip_step] != 0 (a block mask's live tiles)."""
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
     k_offs = offs_nb[:, None] * stride_ks + offs_d[None, :]
     v_offs = offs_nb[:, None] * stride_vs + offs_dv[None, :]
     for start_n in range(lo, hi, BLOCK_N):
-        offs_n = start_n + offs_nb
-        k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        boundary = (start_n < full_lo) | (start_n >= full_hi)
-        if SCALE_FOLD:
-            # Plain scores with a positive scale: max(qk * c) = max(qk) * c, so the scale joins the
-            # subtraction in one FMA (qk * c - m) instead of a separate multiply per score.
-            qk = mask_scores(qk, offs_m[:, None], offs_n[None, :], sk, diag, left, right, boundary, MASK, HAS_LEFT,
-                             HAS_RIGHT)
-            if MASK_MOD is not None:
-                qk = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), qk, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+        if BLOCK_SKIP:   # a tile the block mask leaves empty is skipped whole (a run-time branch)
+            live = tl.load(skip_base + (start_n // BLOCK_N) * skip_step) != 0
         else:
-            s, t = transform_log2(qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, cap_in, cap_out, slope2,
-                                  SOFTCAP, ALIBI, PRECISION == "ieee")
-            if SCORE_MOD is not None:
-                # The mod sees natural units (the launcher's constants make s natural here); back to log2 after it.
-                s = SCORE_MOD(s, b, h, offs_m[:, None], offs_n[None, :], mods) * LOG2E_K
-            s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right, boundary, MASK, HAS_LEFT,
-                            HAS_RIGHT)
-            if MASK_MOD is not None:
-                s = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), s, float("-inf"))
-            m_ij = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = m_ij
-        if MASK != 0 or (SCORE_MOD is not None or MASK_MOD is not None):   # mods hide keys in any tile
-            # A row that has seen no visible key yet has m_ij = -inf; a finite stand-in in the subtraction
-            # keeps exp2(-inf - m) = 0 instead of NaN.  The stand-in must not become the running max: a
-            # later tile's scores below it would be scaled by 2^(s - 0) and underflow (issue [5]: a Q tile
-            # taller than the K tile under a narrow window, p << 1 for the one visible key).
-            m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
-        if SCALE_FOLD:
-            p = tl.exp2(qk * qk_scale - m_sub[:, None])
-        else:
-            p = tl.exp2(s - m_sub[:, None])
-        alpha = tl.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            # l_i normalises the undropped probabilities; kept ones are rescaled in the epilogue.
-            p = tl.where(dropout_keep(seed, rng_offset, bh, offs_m[:, None], offs_n[None, :], drop_threshold),
-                         p, 0.0)
-        v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-        m_i = m_ij
+            live: tl.constexpr = True   # a static `if` below: the body runs as it did before block masks
+        if live:
+            offs_n = start_n + offs_nb
+            k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
+            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
+            boundary = (start_n < full_lo) | (start_n >= full_hi)
+            if SCALE_FOLD:
+                # Plain scores with a positive scale: max(qk * c) = max(qk) * c, so the scale joins the
+                # subtraction in one FMA (qk * c - m) instead of a separate multiply per score.
+                qk = mask_scores(qk, offs_m[:, None], offs_n[None, :], sk, diag, left, right, boundary, MASK, HAS_LEFT,
+                                 HAS_RIGHT)
+                if MASK_MOD is not None:
+                    qk = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), qk, float("-inf"))
+                m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
+            else:
+                s, t = transform_log2(qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, cap_in, cap_out, slope2,
+                                      SOFTCAP, ALIBI, PRECISION == "ieee")
+                if SCORE_MOD is not None:
+                    # The mod sees natural units (the launcher's constants make s natural here); back to log2 after it.
+                    s = SCORE_MOD(s, b, h, offs_m[:, None], offs_n[None, :], mods) * LOG2E_K
+                s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right, boundary, MASK, HAS_LEFT,
+                                HAS_RIGHT)
+                if MASK_MOD is not None:
+                    s = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), s, float("-inf"))
+                m_ij = tl.maximum(m_i, tl.max(s, 1))
+            m_sub = m_ij
+            if MASK != 0 or (SCORE_MOD is not None or MASK_MOD is not None):   # mods hide keys in any tile
+                # A row that has seen no visible key yet has m_ij = -inf; a finite stand-in in the subtraction
+                # keeps exp2(-inf - m) = 0 instead of NaN.  The stand-in must not become the running max: a
+                # later tile's scores below it would be scaled by 2^(s - 0) and underflow (issue [5]: a Q tile
+                # taller than the K tile under a narrow window, p << 1 for the one visible key).
+                m_sub = tl.where(m_ij == float("-inf"), 0.0, m_ij)
+            if SCALE_FOLD:
+                p = tl.exp2(qk * qk_scale - m_sub[:, None])
+            else:
+                p = tl.exp2(s - m_sub[:, None])
+            alpha = tl.exp2(m_i - m_sub)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if DROPOUT:
+                # l_i normalises the undropped probabilities; kept ones are rescaled in the epilogue.
+                p = tl.where(dropout_keep(seed, rng_offset, bh, offs_m[:, None], offs_n[None, :], drop_threshold),
+                             p, 0.0)
+            v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
+            m_i = m_ij
         k_ptr += BLOCK_N * stride_ks
         v_ptr += BLOCK_N * stride_vs
     return acc, l_i, m_i
@@ -95,11 +101,11 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
               stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_slope_b,
               seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold, drop_scale, mods,
-              D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              skip, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               PRECISION: tl.constexpr, SPLIT: tl.constexpr, SCALE_FOLD: tl.constexpr, ALIGN: tl.constexpr,
-              SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr):
+              SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr):
     # Heaviest Q tiles (largest row index: most keys under causal) are scheduled first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -124,6 +130,11 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     slope2, seed, rng_offset, bh = head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI, DROPOUT)
     if SCORE_MOD is not None:
         slope2 = slope2 * LN2_K   # natural units before a score_mod (see _fwd_tiles)
+    skip_base = 0
+    skip_step = 0
+    if BLOCK_SKIP:   # this Q tile's row of the live-tile table [B, Hq, Q tiles, K tiles] (strides in `skip`)
+        skip_base = skip[0] + b * skip[1] + h * skip[2] + pid_m * skip[3]
+        skip_step = skip[4]
 
     k_base = K + offset(b64, kvh, k_start, stride_kb, stride_kh, stride_ks, ALIGN)
     v_base = V + offset(b64, kvh, k_start, stride_vb, stride_vh, stride_vs, ALIGN)
@@ -138,8 +149,9 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base + r * stride_ks, v_base + r * stride_vs, stride_ks, stride_vs, p_lo, p_hi,
             full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
-            drop_threshold, b, h, mods, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV, (0 if part == 1 else 1) if SPLIT else 2,
-            HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SCALE_FOLD, SCORE_MOD, MASK_MOD)
+            drop_threshold, b, h, mods, skip_base, skip_step, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
+            (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION,
+            SCALE_FOLD, SCORE_MOD, MASK_MOD, BLOCK_SKIP)
 
     # Epilogue: rows that saw no key (l_i = 0) get out = 0 and lse = -inf.
     empty = l_i == 0.0
@@ -158,7 +170,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
 
 
 def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None, config=None,
-            hopper=False, mods=None):
+            hopper=False, mods=None, block_mask=None):
     """Launch the forward.  Dense: q [B, Sq, Hq, D], k [B, Sk, Hkv, D], v [B, Sk, Hkv, Dv] ->
     out [B, Sq, Hq, Dv] (q's dtype), lse [B, Hq, Sq] float32, lse2 (lse / ln 2, +inf where lse is
     -inf; what the backward reads).  Varlen: q [total_q, Hq, D] etc. -> out [total_q, Hq, Dv],
@@ -167,7 +179,8 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
     hopper: the gluon backend's call: the Gluon kernel of attn_fwd_hopper (FlashAttention-3's schedule), which
     the backend's supports() already accepted for this spec; these kernels serve instead when the tensors are
     not TMA-ready (strided, misaligned) or the Gluon kernel failed to compile here (counted, see fallbacks).
-    mods: the call's kernels.mod_codegen.CompiledMods, or None."""
+    mods: the call's kernels.mod_codegen.CompiledMods, or None; block_mask: a flashport BlockMask whose empty tiles
+    are skipped (its per-element rule is in mods.mask), or None."""
     varlen = spec.kind == "varlen"
     if hopper:
         why = attn_fwd_hopper.tensor_reasons(q, k, v)
@@ -192,7 +205,7 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
         if not varlen:
             lse.fill_(float("-inf"))
         return out, lse, lse2.fill_(float("inf"))
-    a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state, mods)
+    a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state, mods, block_mask)
     scale_fold = spec.softmax_scale > 0 and spec.softcap == 0 and alibi is None and a.constexprs["SCORE_MOD"] is None
     a.cover(out)
 
@@ -202,7 +215,7 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
             q, k, v, out, lse, lse2, a.slopes, a.cu_q, a.cu_k, a.rng,
             *a.q_strides, *a.k_strides, *a.v_strides, *o_strides, *l_strides, a.slope_stride,
             a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,
-            a.drop_threshold, a.drop_scale, a.mods,
+            a.drop_threshold, a.drop_scale, a.mods, a.skip(cfg.block_m, cfg.block_n),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCALE_FOLD=scale_fold,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
 

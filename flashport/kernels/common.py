@@ -324,7 +324,8 @@ class KernelArgs:
     its tensors: strides (batch stride 0 for packed varlen tensors), sizes, window, the folded score
     constants, dropout threshold and the compile-time feature flags."""
 
-    def __init__(self, spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None, mods=None):
+    def __init__(self, spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None, mods=None,
+                 block_mask=None):
         varlen = self.varlen = spec.kind == "varlen"
         self.q_strides, self.k_strides, self.v_strides = self.strides(q), self.strides(k), self.strides(v)
         self.seqlen_q, self.seqlen_k = spec.seqlen_q, spec.seqlen_k
@@ -355,6 +356,8 @@ class KernelArgs:
             DROPOUT=dropout, PRECISION=precision, ALIGN=16)
         self.cover(q, k, v)
         self.with_mods(mods)
+        self.block_mask = block_mask
+        self.constexprs["BLOCK_SKIP"] = block_mask is not None
 
     def with_mods(self, mods) -> None:
         """The generated mod functions (kernels.mod_codegen.CompiledMods or None) and their captured tensors.
@@ -366,6 +369,13 @@ class KernelArgs:
                                MASK_MOD=None if mods is None else mods.mask)
         if mods is not None and mods.score is not None:
             self.qk_scale, self.cap_out = self.natural
+
+    def skip(self, block_m: int, block_n: int):
+        """The kernels' `skip` argument for tiles of block_m x block_n (kernels/block_skip.py), or None."""
+        if self.block_mask is None:
+            return None
+        from .block_skip import skip_args
+        return skip_args(self.block_mask, self.seqlen_q, self.seqlen_k, block_m, block_n)
 
     def cover(self, *tensors) -> None:
         """Lower ALIGN (see `offset`) to what the batch / sequence / head strides of `tensors` share."""

@@ -32,7 +32,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
-MAX_CAPTURED = 4       # captured tensors one call's mods may read (each is 1 + 2 * rank kernel arguments)
+MAX_CAPTURED = 8       # captured tensors one call's mods may read (each is 1 + 2 * rank entries of the `cap` tuple)
 MAX_RANK = 4
 # Counters of the generated-function cache: "generated" counts sources written and imported (cache misses),
 # "hits" reuses; tests read them to check that new shapes or values generate nothing.

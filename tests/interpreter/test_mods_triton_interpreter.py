@@ -45,6 +45,14 @@ CASES = {
     # the pipeline's order: built-in softcap and ALiBi come before the score_mod, the window and mask_mod after
     "builtins+mods": dict(score_mod=mods.relative_position(TABLE), mask_mod=mods.document(DOCS), softcap=4.0,
                           alibi_slopes=SLOPES, window_size=(9, 2)),
+    # block masks: tiles equal to the kernels' (16), smaller (8: a kernel tile straddles blocks), per head and
+    # oblong (32 x 8); their empty tiles are skipped
+    "block-mask-causal": dict(block_mask=flashport.create_block_mask(mods.causal, None, None, S, S, block_size=16)),
+    "block-mask-window+rel-table": dict(block_mask=flashport.create_block_mask(mods.sliding_window(6, sinks=2), None,
+                                                                               None, S, S, block_size=8),
+                                        score_mod=mods.relative_position(TABLE)),
+    "block-mask-per-head": dict(block_mask=flashport.create_block_mask(
+        lambda b, h, i, j: ((j <= i) & (h == 0)) | ((j >= i) & (h == 1)), 1, HQ, S, S, block_size=(32, 8))),
 }
 
 
@@ -59,7 +67,8 @@ def _inputs(dtype, b=B, s=S, seed=0):
 
 def _math_path(q, k, v, kw, dtype):
     """The same-dtype materialised math path of the tolerance rule, with the same mods."""
-    prog = build(kw.get("score_mod"), kw.get("mask_mod"), None, None, batch=B, heads_q=HQ, sq=S, sk=S, device="cpu")
+    prog = build(kw.get("score_mod"), kw.get("mask_mod"), kw.get("block_mask"), None, batch=B, heads_q=HQ, sq=S, sk=S,
+                 device="cpu")
     left, right = kw.get("window_size", (-1, -1))
     slopes = kw.get("alibi_slopes")
     return materialized_attention(q, k, v, scale=D ** -0.5, softcap=kw.get("softcap", 0.0),
@@ -157,7 +166,37 @@ def test_a_mod_outside_the_compiler_is_refused_with_the_reason(score_mod, why):
     assert torch.isfinite(out).all()
 
 
-def test_captured_tensors_that_require_grad_and_block_masks_are_refused():
+def test_the_kernels_skip_the_tiles_the_live_table_marks_empty(monkeypatch):
+    """With every kernel tile marked empty, nothing is visited: zeros and lse -inf, where the mask has visible keys."""
+    from flashport.kernels import block_skip
+    real = block_skip.live_tiles
+    monkeypatch.setattr(block_skip, "live_tiles", lambda bm, *a: torch.zeros_like(real(bm, *a)))
+    q, k, v, _ = _inputs(torch.float32)
+    bm = flashport.create_block_mask(mods.causal, None, None, S, S, block_size=16)
+    out, lse = flashport.attention(q, k, v, backend="triton", block_mask=bm, return_lse=True)
+    assert (out == 0).all() and torch.isneginf(lse).all()
+    assert torch.isfinite(flashport.attention(q, k, v, backend="reference", block_mask=bm, return_lse=True)[1]).all()
+
+
+@pytest.mark.parametrize("tiles", [(16, 16), (16, 32), (64, 16), (8, 24)], ids=str)
+@pytest.mark.parametrize("blocks", [(16, 16), (8, 8), (32, 8)], ids=str)
+def test_live_tiles_mark_every_kernel_tile_that_overlaps_a_non_empty_block(blocks, tiles):
+    from flashport.kernels.block_skip import live_tiles
+    sq, sk = 53, 70
+    bm = flashport.create_block_mask(lambda b, h, i, j: (j <= i) & ((i - j) < 9) | (j == 60), None, HQ, sq, sk,
+                                     block_size=blocks)
+    got = live_tiles(bm, sq, sk, *tiles)
+    qb, kb = blocks
+    i, j = torch.meshgrid(torch.arange(sq), torch.arange(sk), indexing="ij")
+    for h in range(HQ):
+        block_live = bm.state[0, h][i // qb, j // kb] != 0          # per element: its block is not empty
+        for t in range(got.shape[2]):
+            for u in range(got.shape[3]):
+                want = block_live[t * tiles[0]:(t + 1) * tiles[0], u * tiles[1]:(u + 1) * tiles[1]].any()
+                assert bool(got[0, h, t, u]) == bool(want), (h, t, u)
+
+
+def test_captured_tensors_that_require_grad_are_refused():
     q, k, v, _ = _inputs(torch.float32)
     table = TABLE.clone().requires_grad_()
     with pytest.raises(flashport.UnsupportedError, match="require grad"):
@@ -166,9 +205,6 @@ def test_captured_tensors_that_require_grad_and_block_masks_are_refused():
         out = flashport.attention(q, k, v, backend="triton", score_mod=mods.relative_position(table))
         ref = flashport.attention(q, k, v, backend="reference", score_mod=mods.relative_position(table))
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
-    bm = flashport.create_block_mask(mods.causal, None, None, S, S, block_size=16)
-    with pytest.raises(flashport.UnsupportedError, match="block_mask"):
-        flashport.attention(q, k, v, backend="triton", block_mask=bm)
 
 
 def test_auto_ranks_triton_after_blockwise_for_programmable_calls():
