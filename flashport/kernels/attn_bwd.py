@@ -16,7 +16,9 @@ All recompute P = exp2(s2 - lse2) from the saved LSE.  Equivalent PyTorch math:
     dV = (P * Z)^T dO,   dP = (dO V^T) * Z,   dS = P * (dP - Delta) * dsoftcap,
     dQ = scale * dS K,   dK = scale * dS^T Q     (the kernels fold scale into dS)
 with Z = keep / (1 - dropout_p) and dsoftcap = 1 - tanh^2 (1 without softcap).
-As in the forward, tiles the mask hides are skipped and only boundary tiles apply the mask.
+As in the forward, tiles the mask hides are skipped and only boundary tiles apply the mask.  With a score_mod,
+dS is chained through its generated derivative (dS *= d score_mod / d score, 0 where P is); mask_mod and block
+masks as in the forward.
 """
 from __future__ import annotations
 

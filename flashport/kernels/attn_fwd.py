@@ -8,6 +8,11 @@ flashport.masks.Visibility.key_tiles), and only the boundary tiles pay for the m
 separate loops or behind a run-time branch: the SPLIT note in common.py).  With a positive scale
 and no softcap / ALiBi, the scale is folded into the exp2 argument (one FMA per score).
 
+Programmable calls (issue [15]): a score_mod / mask_mod compiled by mod_codegen.py is a constexpr jit
+function applied at the score stage in flashport.programmable's order (softcap -> ALiBi -> score_mod in
+natural units -> built-in mask AND mask_mod), and a block mask's empty tiles are skipped (block_skip.py).
+Without them every such parameter is a constexpr None / False and the kernels are generated as before.
+
 Equivalent PyTorch math (per batch b, query head h, kv head h // G):
     p = softmax(score(q[b, :, h] @ k[b, :, h // G].T), -1)     (score: common.transform_log2, mask_scores)
     out[b, :, h] = (p * keep / (1 - dropout_p)) @ v[b, :, h // G]

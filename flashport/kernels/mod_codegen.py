@@ -1,7 +1,8 @@
 """Compiling score_mod / mask_mod into @triton.jit functions the attention kernels apply at their score stage.
 
 A mod is traced once with make_fx on [1, 1, 1, 1] index tensors (score float32, b / h / q_idx / kv_idx int64)
-into an aten graph; a whitelist of elementwise aten ops becomes the body of a generated jit function
+into an aten graph; a whitelist of elementwise aten ops (kernels/mod_ops.py) becomes the body of a generated jit
+function
 
     score_mod(score, b, h, q_idx, kv_idx, cap) -> float32     (natural units, as the user wrote it)
     score_grad(score, b, h, q_idx, kv_idx, cap) -> float32    d score_mod / d score at the same point
@@ -22,7 +23,6 @@ from __future__ import annotations
 
 import hashlib
 import importlib.util
-import math
 import os
 import sys
 import tempfile
@@ -32,19 +32,13 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from .mod_ops import TL, Refused, lit, made_by_the_mod, op_name, translate, zero_d
+
 MAX_CAPTURED = 8       # captured tensors one call's mods may read (each is 1 + 2 * rank entries of the `cap` tuple)
 MAX_RANK = 4
 # Counters of the generated-function cache: "generated" counts sources written and imported (cache misses),
 # "hits" reuses; tests read them to check that new shapes or values generate nothing.
 stats: Counter = Counter()
-
-_TL = {torch.float16: "tl.float16", torch.bfloat16: "tl.bfloat16", torch.float32: "tl.float32",
-       torch.float64: "tl.float64", torch.int8: "tl.int8", torch.int16: "tl.int16", torch.int32: "tl.int32",
-       torch.int64: "tl.int64", torch.uint8: "tl.uint8", torch.bool: "tl.int1"}
-
-
-class Refused(Exception):
-    """A mod the compiler does not handle; the message is the reason."""
 
 
 # ----------------------------------------------------------------------------- tracing
@@ -82,26 +76,6 @@ def _trace(fn: Callable, with_score: bool, device, grad: bool = False):
 
 
 # ----------------------------------------------------------------------------- code generation
-def _lit(x) -> str:
-    if isinstance(x, bool):
-        return "True" if x else "False"
-    if isinstance(x, int):
-        return str(x)
-    if isinstance(x, float):
-        if math.isnan(x):
-            return 'float("nan")'
-        if math.isinf(x):
-            return 'float("inf")' if x > 0 else 'float("-inf")'
-        return repr(x)
-    raise Refused(f"constant {x!r} of type {type(x).__name__}")
-
-
-def _dtype(node) -> torch.dtype:
-    val = node.meta.get("val")
-    if not isinstance(val, torch.Tensor):
-        raise Refused(f"{node.target} produced a {type(val).__name__}, not a tensor")
-    return val.dtype
-
 
 class _Gen:
     """Translates one graph into lines of a jit function body.  `captured` lists the call's captured tensors in
@@ -126,7 +100,7 @@ class _Gen:
             return self.env[a]
         if isinstance(a, (list, tuple)):
             raise Refused(f"a list argument {a!r}")
-        return _lit(a)
+        return lit(a)
 
     def dt(self, a):
         return self.dtypes.get(a) if hasattr(a, "op") else None
@@ -147,7 +121,7 @@ class _Gen:
             return e
         if dtype == torch.bool:
             return f"({e} != 0)"
-        return f"{e}.to({_TL[dtype]})"
+        return f"{e}.to({TL[dtype]})"
 
     def emit(self, node, expr: str, dtype: torch.dtype, axes: set) -> None:
         name = f"v{len(self.env)}"
@@ -164,7 +138,7 @@ class _Gen:
         else:
             if t.dim() > MAX_RANK:
                 raise Refused(f"a captured tensor of rank {t.dim()} (at most {MAX_RANK})")
-            if t.dtype not in _TL:
+            if t.dtype not in TL:
                 raise Refused(f"a captured tensor of dtype {t.dtype}")
             if t.numel() >= 2 ** 31:     # the kernels index captured tensors in int32
                 raise Refused(f"a captured tensor of {t.numel()} elements (at most 2**31 - 1)")
@@ -178,7 +152,7 @@ class _Gen:
     def constant(self, node) -> torch.Tensor:
         if node.op == "get_attr":
             return getattr(self.gm, node.target)
-        if node.op == "call_function" and _name(node) in ("lift_fresh_copy", "detach", "alias", "clone"):
+        if node.op == "call_function" and op_name(node) in ("lift_fresh_copy", "detach", "alias", "clone"):
             return self.constant(node.args[0])
         raise Refused(f"indexing a tensor the mod computed ({node.target}); only captured tensors can be indexed")
 
@@ -195,15 +169,15 @@ class _Gen:
                 continue
             if node.op == "get_attr":
                 t = getattr(self.gm, node.target)
-                if t.dim() == 0 and _made_by_the_mod(node):
+                if t.dim() == 0 and made_by_the_mod(node):
                     # torch.tensor(x) inside the mod: a literal of its code (each trace makes a new tensor)
-                    self.emit(node, f"tl.full([], {_lit(t.item())}, {_TL[t.dtype]})", t.dtype, set())
+                    self.emit(node, f"tl.full([], {lit(t.item())}, {TL[t.dtype]})", t.dtype, set())
                 elif t.dim() == 0:   # a captured 0-d tensor is a value: one scalar load
-                    _zero_d(self, node, t)
+                    zero_d(self, node, t)
                 continue             # others are read through aten.index
             if node.op != "call_function":
                 raise Refused(f"graph node {node.op} {node.target}")
-            _op(self, node)
+            translate(self, node)
         (out,) = [n for n in self.gm.graph.nodes if n.op == "output"]
         res = out.args[0]
         if isinstance(res, (list, tuple)):
@@ -214,291 +188,6 @@ class _Gen:
             raise Refused(f"the mod returned {res!r}, not a tensor")
         return res
 
-
-def _made_by_the_mod(node) -> bool:
-    """make_fx lifts a tensor created during the trace (torch.tensor inside the mod) through lift_fresh_copy; a
-    tensor the mod closes over is read directly."""
-    return bool(node.users) and all(_name(u) == "lift_fresh_copy" for u in node.users)
-
-
-def _name(node) -> str:
-    return getattr(node.target, "__name__", str(node.target)).split(".")[0]
-
-
-def _overload(node) -> str:
-    return getattr(node.target, "_overloadname", "")
-
-
-def _result(g: _Gen, node) -> torch.dtype:
-    return _dtype(node)
-
-
-def _binary(op: str):
-    def gen(g: _Gen, node):
-        a, b = node.args[:2]
-        rt = _result(g, node)
-        alpha = node.kwargs.get("alpha", 1)
-        if rt.is_floating_point:
-            ea, eb = g.cast(a, rt), g.cast(b, rt)
-        else:
-            ea, eb = g.arg(a), g.arg(b)
-        if alpha != 1:
-            eb = f"({eb} * {_lit(alpha)})"
-        g.emit(node, f"({ea} {op} {eb})", rt, g.axes(a, b))
-    return gen
-
-
-def _rsub(g: _Gen, node):
-    a, b = node.args[:2]
-    rt = _result(g, node)
-    alpha = node.kwargs.get("alpha", 1)
-    ea = g.cast(a, rt) if rt.is_floating_point else g.arg(a)
-    ea = ea if alpha == 1 else f"({ea} * {_lit(alpha)})"
-    g.emit(node, f"({g.cast(b, rt) if rt.is_floating_point else g.arg(b)} - {ea})", rt, g.axes(a, b))
-
-
-def _true_div(g: _Gen, node):
-    a, b = node.args[:2]
-    rt = _result(g, node)
-    mode = node.kwargs.get("rounding_mode")
-    if mode is None:
-        g.emit(node, f"({g.cast(a, rt)} / {g.cast(b, rt)})", rt, g.axes(a, b))
-        return
-    if rt.is_floating_point:
-        raise Refused(f"division with rounding_mode={mode!r} of floating tensors")
-    (_floor_div if mode == "floor" else _trunc_div)(g, node)
-
-
-def _trunc_div(g: _Gen, node):
-    a, b = node.args[:2]
-    g.emit(node, f"({g.arg(a)} // {g.arg(b)})", _result(g, node), g.axes(a, b))   # Triton's // truncates
-
-
-def _floor_div(g: _Gen, node):
-    a, b = node.args[:2]
-    rt = _result(g, node)
-    if rt.is_floating_point:
-        raise Refused("floor division of floating tensors")
-    ea, eb = g.arg(a), g.arg(b)
-    # Triton's integer // and % truncate towards zero (C); PyTorch floors: one step down where the signs differ
-    g.emit(node, f"floor_div({ea}, {eb})", rt, g.axes(a, b))
-
-
-def _remainder(g: _Gen, node):
-    a, b = node.args[:2]
-    rt = _result(g, node)
-    if rt.is_floating_point:
-        raise Refused("remainder of floating tensors")
-    g.emit(node, f"floor_mod({g.arg(a)}, {g.arg(b)})", rt, g.axes(a, b))
-
-
-def _compare(op: str):
-    def gen(g: _Gen, node):
-        a, b = node.args[:2]
-        dts = [d for d in (g.dt(a), g.dt(b)) if d is not None]
-        common = dts[0] if len(dts) == 1 else torch.promote_types(*dts) if dts else None
-        if common is not None and common.is_floating_point:
-            ea, eb = g.cast(a, common), g.cast(b, common)
-        else:
-            ea, eb = g.arg(a), g.arg(b)
-        g.emit(node, f"({ea} {op} {eb})", torch.bool, g.axes(a, b))
-    return gen
-
-
-def _bitwise(op: str):
-    def gen(g: _Gen, node):
-        a, b = node.args[:2]
-        rt = _result(g, node)
-        if rt == torch.bool:
-            ea, eb = g.cast(a, torch.bool), g.cast(b, torch.bool)
-        else:
-            ea, eb = g.arg(a), g.arg(b)
-        g.emit(node, f"({ea} {op} {eb})", rt, g.axes(a, b))
-    return gen
-
-
-def _logical(op: str):
-    def gen(g: _Gen, node):
-        a, b = node.args[:2]
-        g.emit(node, f"({g.cast(a, torch.bool)} {op} {g.cast(b, torch.bool)})", torch.bool, g.axes(a, b))
-    return gen
-
-
-def _unary(template: str, float_only: bool = False):
-    def gen(g: _Gen, node):
-        (a,) = node.args[:1]
-        rt = _result(g, node)
-        if float_only and not rt.is_floating_point:
-            raise Refused(f"{_name(node)} of a {rt} tensor")
-        x = g.cast(a, rt) if rt.is_floating_point else g.arg(a)
-        g.emit(node, template.format(x=x, t=_TL[rt]), rt, g.axes(a))
-    return gen
-
-
-def _not(g: _Gen, node):
-    (a,) = node.args[:1]
-    rt = _result(g, node)
-    g.emit(node, f"({g.cast(a, torch.bool)} == 0)" if rt == torch.bool else f"(~{g.arg(a)})", rt, g.axes(a))
-
-
-def _where(g: _Gen, node):
-    c, a, b = node.args[:3]
-    rt = _result(g, node)
-    g.emit(node, f"tl.where({g.cast(c, torch.bool)}, {g.cast(a, rt)}, {g.cast(b, rt)})", rt, g.axes(c, a, b))
-
-
-def _masked_fill(g: _Gen, node):
-    x, m, v = node.args[:3]
-    rt = _result(g, node)
-    g.emit(node, f"tl.where({g.cast(m, torch.bool)}, {g.cast(v, rt)}, {g.cast(x, rt)})", rt, g.axes(x, m, v))
-
-
-def _minmax(fn: str):
-    def gen(g: _Gen, node):
-        a, b = node.args[:2]
-        rt = _result(g, node)
-        g.emit(node, f"tl.{fn}({g.cast(a, rt)}, {g.cast(b, rt)})", rt, g.axes(a, b))
-    return gen
-
-
-def _clamp(g: _Gen, node):
-    x = node.args[0]
-    name = _name(node)
-    lo = node.args[1] if name in ("clamp", "clamp_min") and len(node.args) > 1 else node.kwargs.get("min")
-    hi = (node.args[2] if name == "clamp" and len(node.args) > 2 else node.args[1] if name == "clamp_max"
-          else node.kwargs.get("max"))
-    rt = _result(g, node)
-    e = g.cast(x, rt)
-    if lo is not None:
-        e = f"tl.maximum({e}, {g.cast(lo, rt)})"
-    if hi is not None:
-        e = f"tl.minimum({e}, {g.cast(hi, rt)})"
-    g.emit(node, e, rt, g.axes(x, lo, hi))
-
-
-def _pow(g: _Gen, node):
-    x, p = node.args[:2]
-    rt = _result(g, node)
-    if hasattr(p, "op") or p not in (0, 1, 2, 3, 4, -1, 0.5, -0.5):
-        raise Refused(f"pow with exponent {p!r} (integers -1..4 and +-0.5 are compiled)")
-    e = g.cast(x, rt)
-    forms = {0: f"({e} * 0 + 1)", 1: e, 2: f"({e} * {e})", 3: f"({e} * {e} * {e})", 4: f"(({e} * {e}) * ({e} * {e}))",
-             -1: f"(1.0 / {e})", 0.5: f"tl.sqrt_rn({e})", -0.5: f"(1.0 / tl.sqrt_rn({e}))"}
-    g.emit(node, forms[p], rt, g.axes(x))
-
-
-def _to_copy(g: _Gen, node):
-    (a,) = node.args[:1]
-    rt = _result(g, node)
-    if rt not in _TL:
-        raise Refused(f"conversion to {rt}")
-    g.emit(node, g.cast(a, rt), rt, g.axes(a))
-
-
-def _identity(g: _Gen, node):
-    a = node.args[0]
-    if hasattr(a, "op") and a not in g.env and a.op == "get_attr":
-        return               # a lifted copy of a captured tensor: aten.index reads it through g.constant
-    g.env[node], g.dtypes[node], g.tile[node] = g.arg(a), g.dtypes[a], g.tile[a]
-
-
-def _zero_d(g: _Gen, node, t: torch.Tensor):
-    if t.dim() != 0:
-        raise Refused(f"a captured tensor of shape {tuple(t.shape)} used whole (index it, or capture a 0-d tensor)")
-    base, _ = g.slot(t)
-    g.emit(node, f"tl.load(cap[{base}])", t.dtype, set())
-
-
-def _fill(g: _Gen, node):
-    """ones_like / zeros_like / full_like / scalar_tensor / full([]): a constant of the result's dtype."""
-    name = _name(node)
-    value = {"ones_like": 1, "zeros_like": 0}.get(name)
-    if value is None:
-        value = node.args[1] if name in ("full_like", "full") else node.args[0]
-    if name == "full" and list(node.args[0]) not in ([], [1], [1, 1], [1, 1, 1], [1, 1, 1, 1]):
-        raise Refused(f"aten.full of shape {node.args[0]}")
-    rt = _result(g, node)
-    g.emit(node, f"tl.full([], {_lit(value)}, {_TL[rt]})", rt, set())
-
-
-def _index(g: _Gen, node):
-    src, indices = node.args[:2]
-    t = g.constant(src)
-    if len(indices) != t.dim() or any(i is None for i in indices):
-        raise Refused(f"indexing a captured tensor of rank {t.dim()} with {len(indices)} index tensors "
-                      "(give one index per dimension: slices are not elementwise)")
-    for ix in indices:
-        if not hasattr(ix, "op") or g.dt(ix) in (None, torch.bool) or g.dt(ix).is_floating_point:
-            raise Refused("indexing a captured tensor by anything but integer index tensors")
-    base, rank = g.slot(t)
-    terms = []
-    for d, ix in enumerate(indices):
-        stride, size = f"cap[{base + 1 + d}]", f"cap[{base + 1 + rank + d}]"
-        terms.append(f"clamp_index({g.arg(ix)}, {size}) * {stride}")
-    g.emit(node, f"tl.load(cap[{base}] + {' + '.join(terms)})", t.dtype, g.axes(*indices))
-
-
-def _backward(template: str):
-    def gen(g: _Gen, node):
-        a, b = node.args[:2]
-        rt = _result(g, node)
-        g.emit(node, template.format(g=g.cast(a, rt), y=g.cast(b, rt)), rt, g.axes(a, b))
-    return gen
-
-
-def _threshold_backward(g: _Gen, node):
-    grad, x, thr = node.args[:3]
-    rt = _result(g, node)
-    g.emit(node, f"tl.where({g.arg(x)} <= {_lit(thr)}, 0.0, {g.cast(grad, rt)}).to({_TL[rt]})", rt, g.axes(grad, x))
-
-
-def _sign(g: _Gen, node):
-    (a,) = node.args[:1]
-    rt = _result(g, node)
-    x = g.arg(a)
-    g.emit(node, f"tl.where({x} > 0, 1, tl.where({x} < 0, -1, 0)).to({_TL[rt]})", rt, g.axes(a))
-
-
-_OPS = {
-    "add": _binary("+"), "sub": _binary("-"), "mul": _binary("*"), "rsub": _rsub,
-    "div": _true_div, "floor_divide": _floor_div, "remainder": _remainder,
-    "eq": _compare("=="), "ne": _compare("!="), "lt": _compare("<"), "le": _compare("<="), "gt": _compare(">"),
-    "ge": _compare(">="),
-    "bitwise_and": _bitwise("&"), "bitwise_or": _bitwise("|"), "bitwise_xor": _bitwise("^"),
-    "logical_and": _logical("&"), "logical_or": _logical("|"), "logical_xor": _logical("^"),
-    "bitwise_not": _not, "logical_not": _not,
-    "neg": _unary("(-{x})"), "abs": _unary("tl.abs({x})"), "relu": _unary("tl.maximum({x}, 0)"),
-    "exp": _unary("tl.exp({x})", True), "exp2": _unary("tl.exp2({x})", True), "log": _unary("tl.log({x})", True),
-    "log2": _unary("tl.log2({x})", True), "sqrt": _unary("tl.sqrt_rn({x})", True),
-    "rsqrt": _unary("(1.0 / tl.sqrt_rn({x}))", True), "sigmoid": _unary("tl.sigmoid({x})", True),
-    "tanh": _unary("tanh({x}.to(tl.float32), True).to({t})", True), "sin": _unary("tl.sin({x})", True),
-    "cos": _unary("tl.cos({x})", True), "sgn": _sign, "sign": _sign,
-    "where": _where, "masked_fill": _masked_fill, "minimum": _minmax("minimum"), "maximum": _minmax("maximum"),
-    "clamp": _clamp, "clamp_min": _clamp, "clamp_max": _clamp, "pow": _pow,
-    "_to_copy": _to_copy, "detach": _identity, "alias": _identity, "clone": _identity, "lift_fresh_copy": _identity,
-    "expand": _identity,
-    "ones_like": _fill, "zeros_like": _fill, "full_like": _fill, "scalar_tensor": _fill, "full": _fill,
-    "index": _index,
-    "tanh_backward": _backward("({g} * (1.0 - {y} * {y}))"),
-    "sigmoid_backward": _backward("({g} * {y} * (1.0 - {y}))"),
-    "threshold_backward": _threshold_backward,
-}
-
-
-def _op(g: _Gen, node) -> None:
-    name = _name(node)
-    fn = _OPS.get(name)
-    if fn is None and name.endswith("_") and not name.startswith("_") and name[:-1] in _OPS:
-        # An in-place op (autograd's formulas use some: clamp's logical_and_, maximum's masked_fill_): its functional
-        # form, and later reads of the tensor it mutated see the new value.
-        _OPS[name[:-1]](g, node)
-        self_ = node.args[0]
-        g.env[self_], g.dtypes[self_], g.tile[self_] = g.env[node], g.dtypes[node], g.tile[node]
-        return
-    if fn is None:
-        raise Refused(f"aten.{name} is outside what the Triton mod compiler handles (elementwise arithmetic, "
-                      "comparisons, logic, where, clamp, exp / log / tanh / sigmoid and indexing captured tensors)")
-    fn(g, node)
 
 
 HEADER = '''"""Generated by flashport.kernels.mod_codegen from a traced {what}; do not edit (key {key})."""
