@@ -282,22 +282,33 @@ class CompiledMods:
         return tuple(out)
 
 
-def _fingerprint(fn) -> tuple:
-    """What a memoised compile of fn depends on beyond its code: the objects its closure cells, bound instance and
-    module attributes hold (compared by identity: a tensor rebound in the closure is a new trace)."""
+def _fingerprint(fn, depth: int = 3) -> tuple:
+    """What a memoised compile of fn depends on beyond its code: the objects its closure cells, the globals its code
+    names, its bound instance and module attributes hold, and (depth levels down) the same of functions among them;
+    compared by identity, so a tensor rebound anywhere there is a new trace, while new values in place are not."""
     if fn is None:
         return ()
-    out = [getattr(fn, "__code__", None)]
+    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "forward", None), "__code__", None)
+    out = [code]
+    held = []
     for cell in getattr(fn, "__closure__", None) or ():
         try:
-            out.append(cell.cell_contents)
+            held.append(cell.cell_contents)
         except ValueError:   # an empty cell
-            out.append(None)
+            held.append(None)
+    glob = getattr(fn, "__globals__", None) or getattr(getattr(fn, "forward", None), "__globals__", {})
+    held += [glob[n] for n in (code.co_names if code is not None else ()) if n in glob]
     owner = getattr(fn, "__self__", None) or (fn if isinstance(fn, torch.nn.Module) else None)
     if owner is not None:
-        out += list(getattr(owner, "__dict__", {}).values())
+        held += list(getattr(owner, "__dict__", {}).values())
         if isinstance(owner, torch.nn.Module):
-            out += list(owner._parameters.values()) + list(owner._buffers.values())
+            held += list(owner._parameters.values()) + list(owner._buffers.values())
+    for x in held:
+        out.append(x)
+        inner = x if isinstance(x, (tuple, list)) else (x,)
+        if depth > 0:
+            out += [y for f in inner if callable(f) and not isinstance(f, (type, torch.Tensor)) and
+                    hasattr(f, "__code__") for y in _fingerprint(f, depth - 1)]
     return tuple(out)
 
 

@@ -287,3 +287,32 @@ def test_a_generated_mask_mod_equals_the_eager_mod(name):
     out = torch.empty(N, N, dtype=torch.int8)
     _eval_mask[(1,)](out, 1, 1, c.cap(), FN=c.mask, N=N)
     assert torch.equal(out.bool(), fn(*_grid()))
+
+
+_REBOUND = torch.zeros(HQ)
+
+
+def test_a_rebound_global_or_closure_tensor_is_read_not_a_stale_copy():
+    """The compile memo holds per mod object only while what it reads is the same object: a global or a closure
+    variable rebound to a new tensor must reach the kernel (in-place changes reach it through the same pointer)."""
+    global _REBOUND
+    q, k, v, _ = _inputs(torch.float32)
+
+    def by_global(score, b, h, i, j):
+        return score + _REBOUND[h] * (i - j)
+    table = torch.zeros(HQ, 9)
+
+    def by_closure(score, b, h, i, j):
+        return score + table[h, (i - j).clamp(-4, 4) + 4]
+    for mod in (by_global, by_closure):
+        first = flashport.attention(q, k, v, backend="triton", score_mod=mod)
+        _REBOUND = torch.full((HQ,), 0.5)
+        table = torch.randn(HQ, 9)
+        out = flashport.attention(q, k, v, backend="triton", score_mod=mod)
+        ref = flashport.attention(q, k, v, backend="reference", score_mod=mod)
+        torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
+        assert not torch.allclose(out, first)
+        _REBOUND.mul_(3.0)                     # in place: the same tensor, new values
+        torch.testing.assert_close(flashport.attention(q, k, v, backend="triton", score_mod=by_global),
+                                   flashport.attention(q, k, v, backend="reference", score_mod=by_global), rtol=0,
+                                   atol=1e-5)
