@@ -66,7 +66,6 @@ def _spec(**kw):
 
 
 @pytest.mark.parametrize("kw,why", [(dict(softcap=5.0), "softcap"),
-                                    (dict(alibi_slopes=torch.rand(2), dtype=torch.bfloat16), "ALiBi with bfloat16"),
                                     (dict(dropout_p=0.1), "dropout"),
                                     (dict(dv=8), "Dv != D"), (dict(softmax_scale=-0.2), "softmax_scale")])
 def test_refusals_say_why_and_auto_goes_to_blockwise(kw, why):
@@ -237,9 +236,6 @@ def test_masks_and_bias_in_bands_match_reference(name, monkeypatch):
 
 
 def test_what_the_kernel_cannot_take_goes_elsewhere_with_the_reason():
-    q = torch.randn(1, 16, 2, 8, dtype=torch.bfloat16)
-    with pytest.raises(flashport.UnsupportedError, match="attn_bias with bfloat16"):
-        flashport.attention(q, q, q, attn_bias=torch.zeros(16, 16), backend=NAME)
     q = torch.randn(1, 16, 2, 8, requires_grad=True)
     with pytest.raises(flashport.UnsupportedError, match="attn_bias in a call that needs grads"):
         flashport.attention(q, q, q, attn_bias=torch.zeros(16, 16), backend=NAME)
@@ -254,3 +250,35 @@ def test_mods_fuzzer_hits_it_hundreds_of_times():
     fails = [(i, r["problems"]) for i, r in enumerate(results) if r["status"] == "FAIL"]
     assert not fails, fails[:5]
     assert sum(r["status"] == "PASS" for r in results) >= 100   # mask_mod / block masks / inference attn_bias
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("extra", ["alibi", "attn_bias", "window"])
+def test_half_precision_runs_in_float32_where_it_must_or_should(dtype, extra):
+    """float16 on float32 copies (no native float16 on this CPU), bf16 too with a bias (a float32 mask), the results
+    rounded once: as close to a float64 reference as the inputs' dtype allows (one rounding of out and grads)."""
+    from flashport.backend import sdpa_cpu
+    assert sdpa_cpu._kernel_dtype(torch.float16, False) == (torch.float16 if sdpa_cpu._native_fp16() else torch.float32)
+    assert sdpa_cpu._kernel_dtype(torch.bfloat16, False) == torch.bfloat16
+    assert sdpa_cpu._kernel_dtype(torch.bfloat16, True) == torch.float32
+    g = torch.Generator().manual_seed(8)
+    q, k, v = (torch.randn(2, 300, 4, 32, generator=g, dtype=torch.float64).to(dtype) for _ in range(3))
+    kw = {"alibi": dict(alibi_slopes=torch.tensor([0.5, 0.25, 0.125, 0.0625]), causal=True),
+          "attn_bias": dict(attn_bias=4 * torch.randn(4, 300, 300, generator=g)), "window": dict(window_size=(40, 0))}
+    kw = kw[extra]
+    grads = extra != "attn_bias"
+    leaves = [t.clone().requires_grad_(grads) for t in (q, k, v)]
+    flashport.reset_stats()
+    out, lse = flashport.attention(*leaves, return_lse=True, **kw)
+    assert [n for n, s in flashport.stats().items() if s["calls"]] == [NAME] and out.dtype == dtype
+    refs = [t.double().requires_grad_(grads) for t in (q, k, v)]
+    ref, ref_lse = flashport.attention(*refs, return_lse=True, backend="reference",
+                                       **{key: (x.double() if key == "attn_bias" else x) for key, x in kw.items()})
+    tol = dict(rtol=2e-3, atol=2e-3) if dtype == torch.float16 else dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(out.double(), ref, **tol)
+    in_fp32 = sdpa_cpu._kernel_dtype(dtype, extra != "window") == torch.float32   # else bf16's own kernel
+    torch.testing.assert_close(lse, ref_lse, **(dict(rtol=1e-5, atol=1e-5) if in_fp32 else dict(rtol=1e-3, atol=1e-3)))
+    if grads:
+        do = torch.randn(out.shape, generator=g, dtype=torch.float64)
+        for a, b in zip(torch.autograd.grad(out, leaves, do.to(dtype)), torch.autograd.grad(ref, refs, do)):
+            torch.testing.assert_close(a.double(), b, **tol)

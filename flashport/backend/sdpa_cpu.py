@@ -19,7 +19,7 @@ Causal alignment: the kernel's `is_causal` is top-left, flashport's is bottom-ri
 - Sq > Sk: the first Sq - Sk rows see no key (zeros, lse = -inf, zero gradients) and the rest is a square causal
   problem; no additive mask (that would be Sq x Sk memory) is ever built.
 
-Sliding windows and ALiBi (fp32 / fp64): bands of BAND_M query rows, each one kernel call over the keys its rows
+Sliding windows and ALiBi: bands of BAND_M query rows, each one kernel call over the keys its rows
 see, with an additive attn_mask of the band ([1, 1, M, N]: -inf on hidden pairs; [B, Hq, M, N] with ALiBi's
 -slope * |i + Sk - Sq - j| added).  The kernel returns out 0 and lse 0 for a row whose keys are all masked: those
 rows get lse -inf here, and +inf in the backward (P = 0).  dK / dV add up over the bands.  Memory: one band's mask.
@@ -29,13 +29,16 @@ entry over its valid cached keys, a paged cache's pages gathered first.
 
 mask_mod and block masks: the same bands, the mask built from mask_mod and the block mask's tiles on the band
 ([B', H', M, N], B' / H' the call's where the mods read b / h, else 1) and its keys trimmed to the columns some row
-sees, so a packed-document mask costs each band only its own documents.  attn_bias (float32 / float64, calls that
-need no grads: the kernel's backward returns no gradient for its mask) is added to the same masks.
+sees, so a packed-document mask costs each band only its own documents.  attn_bias (calls that need no grads: the
+kernel's backward returns no gradient for its mask) is added to the same masks.
+
+Kernel dtype (_kernel_dtype): float16 inputs run on float32 copies where the CPU has no native float16 (the float16
+kernel was 2-9x slower than that), and fp16 / bf16 inputs with ALiBi or attn_bias too (the kernel adds its mask in
+its own dtype; the contract's bias is float32); the results are rounded back to the inputs' dtype.
 
 Refused (each with its reason): softmax_scale <= 0, a backward with softmax_scale > 1.5 / sqrt(D) (both
-measured to break the tolerance rule), softcap, ALiBi on fp16 / bf16 (the kernel adds its mask in q's dtype; the
-contract's bias is float32), dropout (its RNG is not flashport's exposed keep-mask), Dv != D (the kernel's own
-check), score_mod, attn_bias on fp16 / bf16 or with grads.  A differentiated lse is served by a padded column (see _bwd).
+measured to break the tolerance rule), softcap, dropout (its RNG is not flashport's exposed keep-mask), Dv != D (the
+kernel's own check), score_mod, attn_bias with grads.  A differentiated lse is served by a padded column (see _bwd).
 """
 from __future__ import annotations
 
@@ -59,6 +62,25 @@ BAND_M = 256
 SPLIT_MIN = 512
 # The backward is served for softmax_scale * sqrt(D) up to this (see own_reasons).
 BWD_MAX_SCALE_RATIO = 1.5
+
+
+def _native_fp16() -> bool:
+    """Whether this CPU computes float16 natively in PyTorch's kernels (AMX-FP16).  Elsewhere the float16 kernel
+    converts as it goes: on a Zen 4 EPYC it ran 1.7-2x slower forward and 8.7x slower backward than the float32
+    kernel on float32 copies (PERFLOG row 54)."""
+    fn = getattr(torch.cpu, "_is_amx_fp16_supported", None)
+    return bool(fn and fn())
+
+
+def _kernel_dtype(dtype: torch.dtype, biased: bool) -> torch.dtype:
+    """The dtype the kernel runs in: float32 for float16 inputs (where float16 is not native) and for fp16 / bf16
+    inputs with ALiBi or attn_bias (the kernel adds its mask in its own dtype; the contract's bias is float32);
+    otherwise the inputs' own.  Computing in float32 is closer to the exact result, never further."""
+    if dtype == torch.float16 and not _native_fp16():
+        return torch.float32
+    if biased and dtype in (torch.float16, torch.bfloat16):
+        return torch.float32
+    return dtype
 
 
 def _ops():
@@ -109,7 +131,7 @@ def _parts(sq: int, sk: int, causal: bool):
 def _additive(seen, dtype, slopes=None, band=None, bias=None):
     """The kernel's attn_mask in q's dtype (it takes no bool mask): 0 where seen and -inf elsewhere (seen [B', H', M,
     N], B' and H' 1 or the call's), plus ALiBi's -slope * |i + Sk - Sq - j| as [B, Hq, M, N] when slopes [B, Hq] are
-    given, plus the band's attn_bias (float32 or float64 inputs only for both: own_reasons)."""
+    given, plus the band's attn_bias (both in a float32 or float64 kernel: _kernel_dtype)."""
     add = bias
     if slopes is not None:
         m0, m1, lo, hi, sq, sk = band
@@ -137,7 +159,8 @@ def _merged(res, dtype):
 
 class SdpaCpuBackend(dispatch.Backend):
     """PyTorch's CPU flash kernel (aten `_scaled_dot_product_flash_attention_for_cpu` and its backward): dense and
-    varlen attention, none, causal, windows or ALiBi (fp32 / fp64) (bottom-right, exact for every Sq / Sk), GQA, any scale, fwd + bwd, `lse`.
+    varlen attention and KV caches, none, causal, windows, ALiBi, mask_mod, block masks and inference attn_bias
+    (bottom-right, exact for every Sq / Sk), GQA, any scale, fwd + bwd, `lse`.
     Chosen automatically on CPU ahead of `blockwise` (measured faster there: flashport bench on a CPU)."""
 
     name = "sdpa-cpu"
@@ -152,11 +175,12 @@ class SdpaCpuBackend(dispatch.Backend):
                                "varlen: one kernel call per sequence (cu_seqlens read on the host, a CPU tensor)",
                                "KV cache (dense or paged): one kernel call per sequence over its valid keys (pages "
                                "gathered)",
-                               "windows and ALiBi: bands of 256 query rows with an additive mask; ALiBi on fp32 / "
-                               "fp64 only",
+                               "windows and ALiBi: bands of 256 query rows with an additive mask",
+                               "float16 runs on float32 copies where the CPU has no native float16 (2-9x faster); "
+                               "fp16 / bf16 with ALiBi or attn_bias too (a float32 mask)",
                                "a differentiated lse: the backward adds one padded column (see _bwd)",
                                "mask_mod / block masks: the bands' masks, keys trimmed to those a band sees; attn_bias "
-                               "(fp32 / fp64, forward) in the same masks; no score_mod",
+                               "(inference) in the same masks; no score_mod",
                                "deterministic=True served: its backward measured bitwise reproducible, GQA included (tests/test_sdpa_cpu.py)"))
 
     def availability(self) -> list[str]:
@@ -169,13 +193,6 @@ class SdpaCpuBackend(dispatch.Backend):
         if spec.softmax_scale <= 0:
             # measured (torch 2.13): with a negative scale the float16 path returns inf / garbage rows
             r.append(f"softmax_scale {spec.softmax_scale:g} <= 0 (the kernel's float16 path breaks on it)")
-        if spec.alibi is not None and spec.dtype in (torch.float16, torch.bfloat16):
-            # the kernel adds its attn_mask in q's dtype: ALiBi's float32 bias (up to slope * S) would be rounded
-            r.append(f"ALiBi with {str(spec.dtype).replace('torch.', '')} inputs (the kernel's mask is in q's dtype; "
-                     f"the contract's bias is float32)")
-        if "attn_bias" in spec.mods and spec.dtype in (torch.float16, torch.bfloat16):
-            r.append(f"attn_bias with {str(spec.dtype).replace('torch.', '')} inputs (the kernel's mask is in q's "
-                     f"dtype; the contract adds the bias in float32)")
         if "attn_bias" in spec.mods and (spec.needs_grad or role == "bwd"):
             # forward too: the pair stays one backend's (a float64 call would lose its float64 lse across backends)
             r.append("attn_bias in a call that needs grads (the kernel's backward gives no gradient for its mask)")
@@ -326,9 +343,22 @@ def _bands(sq: int, sk: int, window, split: bool, mods: Optional[_Mods] = None):
         yield m0, m1, parts
 
 
+def _biased(slopes, mods: Optional[_Mods]) -> bool:
+    return slopes is not None or (mods is not None and mods.prog.attn_bias is not None)
+
+
 def _forward(q, k, v, window, scale: float, slopes=None, mods: Optional[_Mods] = None):
-    """One dense problem [B, S, H, D] -> (out, lse float32, lse in the kernel's dtype); window: (left, right) with
-    causal as (-1, 0); slopes: ALiBi [B, Hq] float32 or None."""
+    """One dense problem [B, S, H, D] -> (out in q's dtype, lse float32, lse in the kernel's dtype); window: (left,
+    right) with causal as (-1, 0); slopes: ALiBi [B, Hq] float32 or None."""
+    kd = _kernel_dtype(q.dtype, _biased(slopes, mods))
+    if kd == q.dtype:
+        return _forward_as_is(q, k, v, window, scale, slopes, mods)
+    out, lse, private = _forward_as_is(q.to(kd), k.to(kd), v.to(kd), window, scale, slopes, mods)
+    return out.to(q.dtype), lse, private
+
+
+def _forward_as_is(q, k, v, window, scale: float, slopes=None, mods: Optional[_Mods] = None):
+    """_forward in the inputs' own dtype."""
     b, sq, hq, _ = q.shape
     sk, dv = k.shape[1], v.shape[3]
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
@@ -370,7 +400,16 @@ def _forward(q, k, v, window, scale: float, slopes=None, mods: Optional[_Mods] =
 
 
 def _backward(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=None, mods: Optional[_Mods] = None):
-    """Gradients of one dense problem from its (out, lse in the kernel's dtype)."""
+    """Gradients of one dense problem from its (out, lse in the kernel's dtype), in the inputs' dtype."""
+    kd = _kernel_dtype(q.dtype, _biased(slopes, mods))
+    if kd == q.dtype:
+        return _backward_as_is(dout, q, k, v, out, lse, dlse, window, scale, slopes, mods)
+    grads = _backward_as_is(*(x.to(kd) for x in (dout, q, k, v, out)), lse, dlse, window, scale, slopes, mods)
+    return tuple(g.to(q.dtype) for g in grads)
+
+
+def _backward_as_is(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=None, mods: Optional[_Mods] = None):
+    """_backward in the inputs' own dtype."""
     sq, sk = q.shape[1], k.shape[1]
     if q.numel() == 0 or sk == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
