@@ -156,9 +156,9 @@ def test_auto_takes_it_for_varlen_on_cpu():
 def test_windows_in_several_bands(band, split_min, monkeypatch):
     """The banded path at a band height that splits the rows (8) and one that does not (256), each band in one masked
     part or (small split_min) in masked edges around an unmasked middle merged by lse."""
-    from flashport.backend import sdpa_cpu
-    monkeypatch.setattr(sdpa_cpu, "BAND_M", band)
-    monkeypatch.setattr(sdpa_cpu, "SPLIT_MIN", split_min)
+    from flashport.backend import sdpa_cpu_bands
+    monkeypatch.setattr(sdpa_cpu_bands, "BAND_M", band)
+    monkeypatch.setattr(sdpa_cpu_bands, "SPLIT_MIN", split_min)
     for case in SERVED[-6:]:
         check_dense(NAME, case)
 
@@ -212,8 +212,8 @@ def _mask_cases(b, s, h):
 def test_masks_and_bias_in_bands_match_reference(name, monkeypatch):
     """Bands of 8 rows (BAND_M shrunk) so that keys are trimmed per band and rows that see nothing fall inside
     bands; out, lse and the gradients (attn_bias calls: inference, the kernel's backward gives no bias gradient)."""
-    from flashport.backend import sdpa_cpu
-    monkeypatch.setattr(sdpa_cpu, "BAND_M", 8)
+    from flashport.backend import sdpa_cpu_bands
+    monkeypatch.setattr(sdpa_cpu_bands, "BAND_M", 8)
     kw = _mask_cases(2, 40, 4)[name]
     g = torch.Generator().manual_seed(6)
     q64, k64, v64 = (torch.randn(2, 40, 4, 16, dtype=torch.float64, generator=g) for _ in range(3))

@@ -19,7 +19,7 @@ Causal alignment: the kernel's `is_causal` is top-left, flashport's is bottom-ri
 - Sq > Sk: the first Sq - Sk rows see no key (zeros, lse = -inf, zero gradients) and the rest is a square causal
   problem; no additive mask (that would be Sq x Sk memory) is ever built.
 
-Sliding windows and ALiBi: bands of BAND_M query rows, each one kernel call over the keys its rows
+Sliding windows and ALiBi: bands of BAND_M query rows (backend/sdpa_cpu_bands.py), each one kernel call over the keys its rows
 see, with an additive attn_mask of the band ([1, 1, M, N]: -inf on hidden pairs; [B, Hq, M, N] with ALiBi's
 -slope * |i + Sk - Sq - j| added).  The kernel returns out 0 and lse 0 for a row whose keys are all masked: those
 rows get lse -inf here, and +inf in the backward (P = 0).  dK / dV add up over the bands.  Memory: one band's mask.
@@ -43,23 +43,17 @@ kernel's own check), score_mod, attn_bias with grads.  A differentiated lse is s
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Optional
 
 import torch
 
 from .. import dispatch
 from ..capabilities import Capabilities
-from ..masks import Visibility, alibi_bias
-from ..programmable import Programmable
 from ..kvcache import sequence_kv
 from ..spec import AttnInputs, AttnSpec, alibi_per_batch, varlen_segments
+from .sdpa_cpu_bands import Mods, additive_mask, banded, bands
 
 _NEG_INF = float("-inf")
-# Query rows per kernel call of a windowed or ALiBi call (each call takes the keys its rows see, with a mask).
-BAND_M = 256
-# A band's keys that every row sees run unmasked, apart from its masked edges, from this many on.
-SPLIT_MIN = 512
 # The backward is served for softmax_scale * sqrt(D) up to this (see own_reasons).
 BWD_MAX_SCALE_RATIO = 1.5
 
@@ -126,22 +120,6 @@ def _parts(sq: int, sk: int, causal: bool):
     if sq > sk:   # rows [0, Sq - Sk) see nothing; the rest is square
         return [((sq - sk, sq), (0, sk), True)]
     return [((0, sq), (0, sk - sq), False), ((0, sq), (sk - sq, sk), True)]
-
-
-def _additive(seen, dtype, slopes=None, band=None, bias=None):
-    """The kernel's attn_mask in q's dtype (it takes no bool mask): 0 where seen and -inf elsewhere (seen [B', H', M,
-    N], B' and H' 1 or the call's), plus ALiBi's -slope * |i + Sk - Sq - j| as [B, Hq, M, N] when slopes [B, Hq] are
-    given, plus the band's attn_bias (both in a float32 or float64 kernel: _kernel_dtype)."""
-    add = bias
-    if slopes is not None:
-        m0, m1, lo, hi, sq, sk = band
-        i, j = torch.arange(m0, m1)[:, None], torch.arange(lo, hi)[None, :]
-        alibi = alibi_bias(slopes[:, :, None, None], i, j, sq, sk).to(dtype)
-        add = alibi if add is None else add + alibi
-    if seen is None:
-        return add
-    hidden = torch.zeros(seen.shape, dtype=dtype).masked_fill_(~seen, _NEG_INF)
-    return hidden if add is None else add + hidden
 
 
 def _merged(res, dtype):
@@ -239,10 +217,10 @@ class SdpaCpuBackend(dispatch.Backend):
         return dq, dk, dv
 
 
-def _mods(spec: AttnSpec, inputs: AttnInputs, batch: Optional[int] = None, b0: int = 0) -> Optional[_Mods]:
+def _mods(spec: AttnSpec, inputs: AttnInputs, batch: Optional[int] = None, b0: int = 0) -> Optional[Mods]:
     if inputs.prog is None:
         return None
-    return _Mods(inputs.prog, spec.batch if batch is None else batch, spec.heads_q, b0)
+    return Mods(inputs.prog, spec.batch if batch is None else batch, spec.heads_q, b0)
 
 
 def _kvcache(spec: AttnSpec, inputs: AttnInputs, window, scale: float, slopes):
@@ -262,92 +240,11 @@ def _kvcache(spec: AttnSpec, inputs: AttnInputs, window, scale: float, slopes):
     return out, lse, None
 
 
-def _banded(window, slopes=None, mods=None) -> bool:
-    """A window with a left bound, a right bound other than causal's 0, ALiBi or mods: served in row bands with a
-    mask."""
-    left, right = window
-    return left >= 0 or right > 0 or slopes is not None or mods is not None
-
-
-@dataclass(frozen=True)
-class _Mods:
-    """A programmable call's mask_mod / block mask / attn_bias (no score_mod: own_reasons) for one dense problem of
-    `batch` entries, the first being entry b0 of the call (a varlen sequence's index)."""
-    prog: Programmable
-    batch: int
-    heads: int
-    b0: int = 0
-
-    def index(self, m0: int, m1: int, lo: int, hi: int) -> tuple:
-        return (torch.arange(self.b0, self.b0 + self.batch).view(-1, 1, 1, 1), torch.arange(self.heads).view(1, -1, 1, 1),
-                torch.arange(m0, m1).view(1, 1, -1, 1), torch.arange(lo, hi).view(1, 1, 1, -1))
-
-    def bias(self, band, dtype):
-        """attn_bias over the band [m0, m1) x [lo, hi), as [B', H', M, N] in q's dtype, or None."""
-        bias = self.prog.attn_bias
-        if bias is None:
-            return None
-        m0, m1, lo, hi = band[:4]
-        bias = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))   # it broadcasts from the right
-        rows = slice(m0, m1) if bias.shape[2] > 1 else slice(None)
-        cols = slice(lo, hi) if bias.shape[3] > 1 else slice(None)
-        return bias[:, :, rows, cols].to(dtype)   # dense calls only (b0 = 0): its batch dim is B or 1
-
-
-def _mods_part(vis: Visibility, mods: _Mods, m0: int, m1: int, lo: int, hi: int):
-    """The band's one part under mods: the built-in rule AND mask_mod AND the block mask, keys trimmed to the columns
-    some row of some (batch, head) sees (a packed-document mask leaves each band its own documents) -> (lo, hi,
-    seen [B', H', M, N], rows that see nothing [B', H', M]) or None when the band sees no key."""
-    idx = mods.index(m0, m1, lo, hi)
-    seen = vis.sees(idx[2], idx[3])
-    extra = mods.prog.visible(*idx)
-    if extra is not None:
-        seen = seen & extra
-    cols = seen.flatten(0, 2).any(0).nonzero()
-    if cols.numel() == 0:
-        return None
-    a, z = int(cols[0]), int(cols[-1]) + 1
-    seen = seen[..., a:z]
-    return lo + a, lo + z, seen, ~seen.any(-1)
-
-
-def _bands(sq: int, sk: int, window, split: bool, mods: Optional[_Mods] = None):
-    """(m0, m1, parts) per band of BAND_M rows; parts: [(lo, hi, seen [B', H', M, N] or None, rows that see none of
-    [lo, hi) [B', H', M] or None)] cover the keys some row of the band sees.  One part, masked, in general; with
-    `split` (no ALiBi, no mods) and a middle of at least SPLIT_MIN keys that every row of the band sees, three:
-    masked edges around an unmasked middle, so that the mask is built and read only where it hides something."""
-    vis = Visibility(sq, sk, *window)
-    for m0 in range(0, sq, BAND_M):
-        m1 = min(m0 + BAND_M, sq)
-        lo, hi = vis.key_range(m0, m1)
-        lo, hi = max(lo, 0), min(hi, sk)
-        if lo >= hi:
-            continue
-        if mods is not None:
-            part = _mods_part(vis, mods, m0, m1, lo, hi)
-            if part is not None:
-                yield m0, m1, [part]
-            continue
-        flo, fhi = vis.full_key_range(m0, m1)
-        flo, fhi = max(flo, lo), min(fhi, hi)
-        spans = [(lo, flo), (flo, fhi), (fhi, hi)] if split and fhi - flo >= SPLIT_MIN else [(lo, hi)]
-        parts = []
-        for a, z in spans:
-            if a >= z:
-                continue
-            if vis.tile_is_full(m0, m1, a, z):
-                parts.append((a, z, None, None))
-            else:
-                seen = vis.sees(torch.arange(m0, m1)[:, None], torch.arange(a, z)[None, :])[None, None]
-                parts.append((a, z, seen, ~seen.any(-1)))
-        yield m0, m1, parts
-
-
-def _biased(slopes, mods: Optional[_Mods]) -> bool:
+def _biased(slopes, mods: Optional[Mods]) -> bool:
     return slopes is not None or (mods is not None and mods.prog.attn_bias is not None)
 
 
-def _forward(q, k, v, window, scale: float, slopes=None, mods: Optional[_Mods] = None):
+def _forward(q, k, v, window, scale: float, slopes=None, mods: Optional[Mods] = None):
     """One dense problem [B, S, H, D] -> (out in q's dtype, lse float32, lse in the kernel's dtype); window: (left,
     right) with causal as (-1, 0); slopes: ALiBi [B, Hq] float32 or None."""
     kd = _kernel_dtype(q.dtype, _biased(slopes, mods))
@@ -357,7 +254,7 @@ def _forward(q, k, v, window, scale: float, slopes=None, mods: Optional[_Mods] =
     return out.to(q.dtype), lse, private
 
 
-def _forward_as_is(q, k, v, window, scale: float, slopes=None, mods: Optional[_Mods] = None):
+def _forward_as_is(q, k, v, window, scale: float, slopes=None, mods: Optional[Mods] = None):
     """_forward in the inputs' own dtype."""
     b, sq, hq, _ = q.shape
     sk, dv = k.shape[1], v.shape[3]
@@ -366,14 +263,14 @@ def _forward_as_is(q, k, v, window, scale: float, slopes=None, mods: Optional[_M
         out = q.new_zeros(b, sq, hq, dv)
         lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
         return out, lse.float(), lse
-    if _banded(window, slopes, mods):
+    if banded(window, slopes, mods):
         out = q.new_zeros(b, sq, hq, dv)
         lse = torch.full((b, hq, sq), _NEG_INF, dtype=lse_dtype, device=q.device)
-        for m0, m1, parts in _bands(sq, sk, window, split=slopes is None, mods=mods):
+        for m0, m1, parts in bands(sq, sk, window, split=slopes is None, mods=mods):
             res = []
             for lo, hi, seen, empty in parts:
                 band = (m0, m1, lo, hi, sq, sk)
-                mask = _additive(seen, q.dtype, slopes, band, None if mods is None else mods.bias(band, q.dtype))
+                mask = additive_mask(seen, q.dtype, slopes, band, None if mods is None else mods.bias(band, q.dtype))
                 o, l = _fwd(q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], False, scale, mask)
                 if empty is not None and empty.any():   # the kernel gives 0 and lse 0 there; the contract -inf
                     o = o.masked_fill(empty.transpose(1, 2)[..., None], 0)
@@ -399,7 +296,7 @@ def _forward_as_is(q, k, v, window, scale: float, slopes=None, mods: Optional[_M
     return out, lse.float(), lse
 
 
-def _backward(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=None, mods: Optional[_Mods] = None):
+def _backward(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=None, mods: Optional[Mods] = None):
     """Gradients of one dense problem from its (out, lse in the kernel's dtype), in the inputs' dtype."""
     kd = _kernel_dtype(q.dtype, _biased(slopes, mods))
     if kd == q.dtype:
@@ -408,20 +305,20 @@ def _backward(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=None, 
     return tuple(g.to(q.dtype) for g in grads)
 
 
-def _backward_as_is(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=None, mods: Optional[_Mods] = None):
+def _backward_as_is(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=None, mods: Optional[Mods] = None):
     """_backward in the inputs' own dtype."""
     sq, sk = q.shape[1], k.shape[1]
     if q.numel() == 0 or sk == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    if _banded(window, slopes, mods):
+    if banded(window, slopes, mods):
         # Each band's gradients from the whole problem's (out, lse): dQ of its rows, dK / dV added over the bands.
         # Rows that see nothing get lse = +inf, so P = exp(s - lse) = 0 there (the kernel would read -inf - -inf).
         dq, dk, dv = torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
         lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
-        for m0, m1, parts in _bands(sq, sk, window, split=slopes is None, mods=mods):
+        for m0, m1, parts in bands(sq, sk, window, split=slopes is None, mods=mods):
             for lo, hi, seen, _ in parts:
                 band = (m0, m1, lo, hi, sq, sk)
-                mask = _additive(seen, q.dtype, slopes, band, None if mods is None else mods.bias(band, q.dtype))
+                mask = additive_mask(seen, q.dtype, slopes, band, None if mods is None else mods.bias(band, q.dtype))
                 gq, gk, gv = _bwd(dout[:, m0:m1], q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], out[:, m0:m1],
                                   lse[:, :, m0:m1].contiguous(), None if dlse is None else dlse[:, :, m0:m1], False,
                                   scale, mask)
