@@ -22,6 +22,8 @@ masks as in the forward.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 import triton
 import triton.language as tl
@@ -374,6 +376,7 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
                         num_stages=cfg.num_stages, **a.constexprs)
 
     def launch_dq(cfg):
+        cfg = dq_config_with_mods(cfg, a)
         grid = (cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
         _bwd_dq[grid](q, k, v, do, lse2, delta, dq, a.slopes, a.cu_q, a.cu_k, a.rng,
                       *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dq), *l_strides, *common,
@@ -386,6 +389,18 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
         dk.copy_(dk_out.unflatten(-2, (hkv, spec.group_size)).sum(-2))
         dv.copy_(dv_out.unflatten(-2, (hkv, spec.group_size)).sum(-2))
     return dq, dk, dv
+
+
+def dq_config_with_mods(cfg, a: KernelArgs):
+    """dQ's launch config for a programmable call: 8 warps where the table gives 4 with 128-row Q tiles.  A mod keeps
+    its tiles (gathered table values, the derivative) live beside dQ's: the sm_90 compile report
+    (tools/gpu/compile_report.py's stand-in driver, bf16 D=64, 128x64) gave 1680 bytes of stack at 4 warps for a
+    relative-position table + document mask, 16 at 8 warps (the plain kernel: 32 at 4 warps).  Not yet timed."""
+    c = a.constexprs
+    mods = c["SCORE_MOD"] is not None or c["MASK_MOD"] is not None or c["BLOCK_SKIP"]
+    if mods and cfg.num_warps == 4 and cfg.block_m >= 128:
+        return replace(cfg, num_warps=8)
+    return cfg
 
 
 _preprocess_launch = DirectLauncher(_bwd_preprocess)

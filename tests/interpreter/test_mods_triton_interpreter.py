@@ -316,3 +316,19 @@ def test_a_rebound_global_or_closure_tensor_is_read_not_a_stale_copy():
         torch.testing.assert_close(flashport.attention(q, k, v, backend="triton", score_mod=by_global),
                                    flashport.attention(q, k, v, backend="reference", score_mod=by_global), rtol=0,
                                    atol=1e-5)
+
+
+def test_programmable_dq_launches_with_8_warps_where_the_table_gives_4_for_128_rows():
+    from flashport.kernels.attn_bwd import dq_config_with_mods
+    from flashport.kernels.common import KernelArgs
+    from flashport.kernels.mod_codegen import compile_mods
+    from flashport.kernels.tuning import KernelConfig
+    q, k, v, _ = _inputs(torch.float32)
+    spec = flashport.spec.dense_spec(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                                     alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)[0]
+    plain = KernelArgs(spec, q, k, v)
+    with_mask = KernelArgs(spec, q, k, v, mods=compile_mods(None, mods.causal, "cpu"))
+    wide, narrow = KernelConfig(128, 64, 4, 3), KernelConfig(64, 64, 4, 3)
+    assert dq_config_with_mods(wide, plain) == wide                       # the plain kernels: the table's choice
+    assert dq_config_with_mods(wide, with_mask).num_warps == 8
+    assert dq_config_with_mods(narrow, with_mask) == narrow

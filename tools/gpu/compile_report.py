@@ -6,6 +6,7 @@ LDL/STL = spill traffic; REDG/ATOMG = global atomics).
     python tools/gpu/compile_report.py                      # default configs, D in {64, 128, 256}
     python tools/gpu/compile_report.py --d 128 --json out.json
     python tools/gpu/compile_report.py --d --hopper-fwd     # only the Gluon Hopper forward, D in {64, 128, 256}
+    python tools/gpu/compile_report.py --d 64 --mods         # with compiled mods and a block mask (issue [15])
 
 How: Triton compiles ahead of time through `JITFunction.warmup`; a stand-in driver names the target
 (GPUTarget("cuda", 90, 32)), and kernel launches are turned into warmups, so the real host launchers
@@ -114,6 +115,40 @@ def compile_case(d: int, causal: bool, dtype=torch.bfloat16, gqa: int = 1, confi
     return rows
 
 
+def compile_mods_case(d: int, block_mask: bool = True, dtype=torch.bfloat16) -> list:
+    """compile_case for a programmable call: a relative-position score_mod (3 captured tensors) and the block mask of
+    a causal document mask_mod (its empty tiles skipped; block_mask False: the mask_mod alone), compiled by
+    kernels/mod_codegen.py; rows carry "mods": "block_mask" or "mask_mod"."""
+    from flashport import create_block_mask, mods
+    from flashport.backend.triton import visible_mask
+    from flashport.kernels import attn_bwd, attn_fwd, tuning
+    from flashport.kernels.mod_codegen import compile_mods
+    from flashport.spec import dense_spec
+
+    b, s, h = 1, 256, 2
+    q, k, v = (torch.randn(b, s, h, d, dtype=dtype) for _ in range(3))
+    docs = mods.document(torch.arange(s) // 100)    # causal documents
+    bm = create_block_mask(docs, None, None, s, s, block_size=128) if block_mask else None
+    spec, inputs = dense_spec(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                              alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False,
+                              score_mod=mods.relative_position(torch.randn(h, 9)), block_mask=bm,
+                              mask_mod=None if block_mask else docs)
+    compiled = compile_mods(inputs.prog.score_mod, visible_mask(inputs.prog), "cpu")
+    if isinstance(compiled, str):
+        raise RuntimeError(compiled)
+    cfg = {kn: _table_or_default(kn, tuning.head_bucket(spec), spec) for kn in tuning.KERNELS}
+    _compiled.clear()
+    out = torch.empty(b, s, h, d, dtype=dtype)
+    attn_fwd.forward(spec, q, k, v, config=cfg["fwd"], mods=compiled, block_mask=bm)
+    attn_bwd.backward(spec, torch.randn_like(out), q, k, v, out, torch.zeros(b, h, s), configs=cfg, mods=compiled,
+                      block_mask=bm)
+    names = {"_attn_fwd": "fwd", "_bwd_dkdv": "bwd_dkdv", "_bwd_dq": "bwd_dq", "_bwd_preprocess": "preprocess"}
+    return [{"kernel": names.get(n, n), "d": d, "causal": False, "gqa": 1, "dtype": str(dtype).split(".")[-1],
+             "mods": "block_mask" if block_mask else "mask_mod", "config": {"block_m": kw.get("BLOCK_M"), "block_n": kw.get("BLOCK_N"),
+                                      "num_warps": kw.get("num_warps"), "num_stages": kw.get("num_stages")},
+             **report(ck)} for n, kw, ck in _compiled]
+
+
 def compile_hopper_fwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
     """Compile the Gluon Hopper forward (kernels/attn_fwd_hopper.py) for each head dim it serves (default:
     all of attn_fwd_hopper.TILES), causal and not, per dtype.  A variant the compiler rejects is reported
@@ -167,6 +202,8 @@ def main(argv=None) -> int:
                     "dim it serves, or only those of --d that it serves; bf16 and fp16, causal and not)")
     ap.add_argument("--hopper-dtype", choices=("bf16", "fp16", "both"), default="both",
                     help="--hopper-fwd: which dtypes to compile")
+    ap.add_argument("--mods", action="store_true", help="also compile a programmable call's kernels (compiled "
+                    "score_mod, mask_mod and a block mask) for each --d")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     driver.set_active(_HopperTarget())
@@ -182,6 +219,9 @@ def main(argv=None) -> int:
                     print(f"{args.sweep} D={d} {cfg}: {type(e).__name__}: {str(e)[:120]}")
         else:
             rows += compile_case(d, args.causal, gqa=args.gqa)
+    if args.mods:
+        for d in args.d:
+            rows += compile_mods_case(d, block_mask=False) + compile_mods_case(d, block_mask=True)
     if args.hopper_fwd:
         from flashport.kernels.attn_fwd_hopper import TILES
         ds = [d for d in args.d if d in TILES] or None    # none of --d served (`--d` with no value): all
@@ -195,6 +235,8 @@ def main(argv=None) -> int:
         if r["kernel"] == "fwd_hopper":
             cs += f"{' ek' if c['early_k'] else ''} {'bf16' if r['dtype'] == 'bfloat16' else 'fp16'}"
             cs += " causal" if r["causal"] else ""
+        if r.get("mods"):
+            cs += f" {r['mods']}"
         if "error" in r:
             print(f"{r['kernel']:11} {r['d']:>4} {cs:28} FAILED {r['error'][:200]}")
             continue
