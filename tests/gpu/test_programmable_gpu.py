@@ -1,7 +1,7 @@
 """GPU tier of programmable attention (issue [15]), skipped without CUDA: the `flex` backend (compiled
-FlexAttention) and blockwise on CUDA against the float64 reference, gradients of q, k, v, a captured table and
+FlexAttention), the `triton` kernels' compiled mods and blockwise on CUDA against the float64 reference, gradients of q, k, v, a captured table and
 attn_bias included (Flex has no backward on a CPU, so this is where its gradients are checked); a new sequence
-length does not recompile; auto picks flex for mods."""
+length does not recompile; auto picks flex (once it is auto) or blockwise for mods."""
 from __future__ import annotations
 
 import os
@@ -17,11 +17,13 @@ from flashport.fuzz import mods as fuzz_mods  # noqa: E402
 N = int(os.environ.get("FLASHPORT_MODS_FUZZ_N", "300"))
 # Each new mod / dtype / head dim is a Flex compile of several seconds: fewer cases there.
 N_FLEX = int(os.environ.get("FLASHPORT_MODS_FUZZ_N_FLEX", "40"))
+# Each new mod structure is a kernel compile (48 cases took 150 s on the H200 in the 16th session).
+N_TRITON = int(os.environ.get("FLASHPORT_MODS_FUZZ_N_TRITON", "100"))
 
 
-@pytest.mark.parametrize("backend", ["blockwise", "flex"])
+@pytest.mark.parametrize("backend", ["blockwise", "flex", "triton"])
 def test_mods_fuzz_on_cuda(backend):
-    n = N_FLEX if backend == "flex" else N
+    n = {"flex": N_FLEX, "triton": N_TRITON}.get(backend, N)
     results = [fuzz_mods.run(fuzz_mods.draw(20261206, i), backend, "cuda") for i in range(n)]
     fails = [(i, r["problems"]) for i, r in enumerate(results) if r["status"] == "FAIL"]
     passed = sum(r["status"] == "PASS" for r in results)
