@@ -45,3 +45,15 @@ def test_report(tmp_path):
     programmable.plot(doc, str(tmp_path / "p.png"))
     assert (tmp_path / "p.png").stat().st_size > 0
     assert "no FA4 built-in" in programmable.table(entries)
+
+
+def test_triton_column_says_what_its_kernels_cannot_take():
+    cases = programmable.cases(torch.device("cpu"), quick=True)
+    q = torch.zeros(1, 8, 1, 16)
+    for case in cases:
+        if case.table is not None or case.bias is not None:
+            with pytest.raises(programmable.NotServed, match="captured tensors"):
+                programmable.implementation("flashport-triton", case, q, q, q)
+        else:
+            assert callable(programmable.implementation("flashport-triton", case, q, q, q))
+    assert "flashport-triton" in programmable.DEFAULT_IMPLS

@@ -9,6 +9,7 @@ additive bias [1, H, S, S] with its gradient (S=4096), and a plain causal mask_m
 Implementations (each cell says why one cannot run it):
     flashport       flashport.attention(score_mod=, block_mask=) with backend=None
     flashport-flex  the same, backend="flex"
+    flashport-triton the same, backend="triton" (the Triton kernels with the mods compiled in)
     flex            torch.compile(flex_attention) with torch's create_block_mask (Triton kernels)
     flex-flash      the same with kernel_options={"BACKEND": "FLASH"} (FlashAttention-4 underneath, where installed)
     builtin         flashport's built-in path for the same mask where one exists (varlen for documents, alibi_slopes
@@ -27,8 +28,8 @@ from typing import Callable, Optional
 
 import torch
 
-IMPLS = ("flashport", "flashport-flex", "flex", "flex-flash", "builtin", "fa4", "sdpa-mask")
-DEFAULT_IMPLS = ("flashport", "flashport-flex", "flex", "flex-flash", "builtin", "fa4", "sdpa-mask")
+IMPLS = ("flashport", "flashport-flex", "flashport-triton", "flex", "flex-flash", "builtin", "fa4", "sdpa-mask")
+DEFAULT_IMPLS = IMPLS
 
 
 class NotServed(Exception):
@@ -115,8 +116,10 @@ def implementation(impl: str, case: Case, q, k, v):
     import flashport
     from .peers import NotInstalled, _fa4
     bhsd = (lambda t: t.transpose(1, 2))   # noqa: E731
-    if impl in ("flashport", "flashport-flex"):
-        backend = None if impl == "flashport" else "flex"
+    if impl in ("flashport", "flashport-flex", "flashport-triton"):
+        backend = {"flashport": None, "flashport-flex": "flex", "flashport-triton": "triton"}[impl]
+        if impl == "flashport-triton" and (case.table is not None or case.bias is not None):
+            raise NotServed("the Triton kernels compute no gradients into captured tensors and take no attn_bias yet")
         bm = (None if case.mask_mod is None
               else flashport.create_block_mask(case.mask_mod, None, None, case.s, case.s, device=q.device))
         return lambda q, k, v: flashport.attention(q, k, v, score_mod=case.score_mod, block_mask=bm,
