@@ -175,3 +175,14 @@ def test_block_sparse_user_tiles(eager_flex, block_size):
     out, lse = flex.FlexBackend().run(spec, inputs)
     ref, ref_lse = flashport.attention(q, k, v, backend="reference", **opts)
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-10)
+
+
+def test_small_tiles_only_where_a_score_mod_reads_a_tensor_that_needs_grad():
+    from types import SimpleNamespace
+    from flashport.backend import flex
+    table = SimpleNamespace(prog=SimpleNamespace(captured=(torch.zeros(3, requires_grad=True),)))
+    assert flex._kernel_options(table) == flex.SMALL_TILES
+    assert flex._kernel_options(SimpleNamespace(prog=None)) is None
+    assert flex._kernel_options(SimpleNamespace(prog=SimpleNamespace(captured=()))) is None
+    # Flex gives "fwd_" keys to the forward kernel and "bwd_" keys to the backward's: no key reaches both
+    assert all(k.startswith(("fwd_", "bwd_")) for k in flex.SMALL_TILES)

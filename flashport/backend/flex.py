@@ -63,9 +63,10 @@ def _lse_request() -> dict:
 
 # Flex's default tiles for a score_mod that reads a captured tensor requiring grad (a learnable relative-position
 # table) need more shared memory than an H100 / H200 has (245760 B of 232448 B at D=64 in the 16th session's
-# run): "No valid triton configs", for forward and backward alike.  One pipeline stage and 64-row tiles fit.
-SMALL_TILES = {"num_stages": 1, "BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_M1": 32, "BLOCK_N1": 64, "BLOCK_M2": 64,
-               "BLOCK_N2": 32}
+# run): "No valid triton configs", for forward and backward alike.  One pipeline stage and 64-row tiles fit.  Flex
+# hands "fwd_" keys to the forward kernel only and "bwd_" keys to the backward's (prefix removed).
+SMALL_TILES = {"fwd_num_stages": 1, "fwd_BLOCK_M": 64, "fwd_BLOCK_N": 64, "bwd_num_stages": 1, "bwd_BLOCK_M1": 32,
+               "bwd_BLOCK_N1": 64, "bwd_BLOCK_M2": 64, "bwd_BLOCK_N2": 32}
 
 
 def _kernel_options(inputs: AttnInputs) -> Optional[dict]:
