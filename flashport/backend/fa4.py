@@ -217,8 +217,8 @@ class Fa4Backend(dispatch.Backend):
             if major in (10, 11) and role == "bwd" and (d, dv) == (256, 256) and spec.return_lse:
                 r.append("a differentiated lse with head dim 256 on sm_100 (FA4's hd256 backward takes no dlse)")
         if spec.softmax_scale <= 0:
-            # FA4 folds the scale into exp2 after the row max, which is the max of the scaled scores only for a
-            # positive scale (the 16th session's H200 fuzz: inf outputs at scale -0.112)
+            # the 16th session's H200 fuzz: inf outputs at scale -0.112 (likely FA4 folding the scale into exp2 after
+            # the row max, which is the max of the scaled scores only for a positive scale; not read in its source)
             r.append("softmax_scale <= 0 (FA4 assumes a positive scale: inf outputs with a negative one on an H200)")
         if spec.kind == "dense" and spec.seqlen_q and spec.seqlen_k:
             vis = Visibility.from_spec(spec)
