@@ -269,8 +269,7 @@ def _forward_as_is(q, k, v, window, scale: float, slopes=None, mods: Optional[Mo
         for m0, m1, parts in bands(sq, sk, window, split=slopes is None, mods=mods):
             res = []
             for lo, hi, seen, empty in parts:
-                band = (m0, m1, lo, hi, sq, sk)
-                mask = additive_mask(seen, q.dtype, slopes, band, None if mods is None else mods.bias(band, q.dtype))
+                mask = additive_mask(seen, q.dtype, slopes, (m0, m1, lo, hi, sq, sk), mods)
                 o, l = _fwd(q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], False, scale, mask)
                 if empty is not None and empty.any():   # the kernel gives 0 and lse 0 there; the contract -inf
                     o = o.masked_fill(empty.transpose(1, 2)[..., None], 0)
@@ -317,8 +316,7 @@ def _backward_as_is(dout, q, k, v, out, lse, dlse, window, scale: float, slopes=
         lse = torch.where(torch.isneginf(lse), torch.full_like(lse, float("inf")), lse)
         for m0, m1, parts in bands(sq, sk, window, split=slopes is None, mods=mods):
             for lo, hi, seen, _ in parts:
-                band = (m0, m1, lo, hi, sq, sk)
-                mask = additive_mask(seen, q.dtype, slopes, band, None if mods is None else mods.bias(band, q.dtype))
+                mask = additive_mask(seen, q.dtype, slopes, (m0, m1, lo, hi, sq, sk), mods)
                 gq, gk, gv = _bwd(dout[:, m0:m1], q[:, m0:m1], k[:, lo:hi], v[:, lo:hi], out[:, m0:m1],
                                   lse[:, :, m0:m1].contiguous(), None if dlse is None else dlse[:, :, m0:m1], False,
                                   scale, mask)

@@ -20,11 +20,12 @@ BAND_M = 256
 SPLIT_MIN = 512
 
 
-def additive_mask(seen, dtype, slopes=None, band=None, bias=None):
-    """The kernel's attn_mask in q's dtype (it takes no bool mask): 0 where seen and -inf elsewhere (seen [B', H', M,
-    N], B' and H' 1 or the call's), plus ALiBi's -slope * |i + Sk - Sq - j| as [B, Hq, M, N] when slopes [B, Hq] are
-    given, plus the band's attn_bias (both in a float32 or float64 kernel: sdpa_cpu._kernel_dtype)."""
-    add = bias
+def additive_mask(seen, dtype, slopes=None, band=None, mods: Optional["Mods"] = None):
+    """The kernel's attn_mask in q's dtype (it takes no bool mask) over band = (m0, m1, lo, hi, Sq, Sk): 0 where seen
+    and -inf elsewhere (seen [B', H', M, N], B' and H' 1 or the call's), plus ALiBi's -slope * |i + Sk - Sq - j| as
+    [B, Hq, M, N] when slopes [B, Hq] are given, plus the mods' attn_bias (both in a float32 or float64 kernel:
+    sdpa_cpu._kernel_dtype)."""
+    add = None if mods is None else mods.bias(band, dtype)
     if slopes is not None:
         m0, m1, lo, hi, sq, sk = band
         i, j = torch.arange(m0, m1)[:, None], torch.arange(lo, hi)[None, :]
