@@ -30,8 +30,8 @@ import triton.language as tl
 
 from . import attn_bwd_hopper
 from .common import (LN2_K, LOG2E_K, KernelArgs, block_dim, cdiv, dropout_keep, head_scalars, head_strides, key_tiles,
-                     load_head_tile, load_tile, mask_scores, offset, query_tiles, seq_bounds, stride_align, tile_part,
-                     transform_log2)
+                     load_head_tile, load_tile, mask_scores, offset, query_tiles, seq_bounds, stride_align, tile_live,
+                     tile_part, transform_log2)
 from .launch import DirectLauncher
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
 
@@ -85,11 +85,7 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
     q_offs = offs_mb[:, None] * stride_qs + offs_d[None, :]
     do_offs = offs_mb[:, None] * stride_dos + offs_dv[None, :]
     for start_m in range(lo, hi, BLOCK_M):
-        if BLOCK_SKIP:   # a tile the block mask leaves empty is skipped whole (a run-time branch)
-            live = tl.load(skip_base + (start_m // BLOCK_M) * skip_step) != 0
-        else:
-            live: tl.constexpr = True   # a static `if` below: the body runs as it did before block masks
-        if live:
+        if tile_live(skip_base, start_m, BLOCK_M, skip_step, BLOCK_SKIP):   # a tile the block mask leaves empty: skipped
             offs_m = start_m + offs_mb
             q = load_tile(q_ptr + q_offs, offs_m[:, None], sq, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
             do = load_tile(do_ptr + do_offs, offs_m[:, None], sq, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
@@ -216,11 +212,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi
     k_offs = offs_nb[:, None] * stride_ks + offs_d[None, :]
     v_offs = offs_nb[:, None] * stride_vs + offs_dv[None, :]
     for start_n in range(lo, hi, BLOCK_N):
-        if BLOCK_SKIP:   # a tile the block mask leaves empty is skipped whole (a run-time branch)
-            live = tl.load(skip_base + (start_n // BLOCK_N) * skip_step) != 0
-        else:
-            live: tl.constexpr = True   # a static `if` below: the body runs as it did before block masks
-        if live:
+        if tile_live(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP):   # a tile the block mask leaves empty: skipped
             offs_n = start_n + offs_nb
             k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
             v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)

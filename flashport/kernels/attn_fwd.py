@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .common import (LN2_K, LOG2E_K, KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile,
-                     mask_scores, offset, seq_bounds, tile_part, transform_log2)
+                     mask_scores, offset, seq_bounds, tile_live, tile_part, transform_log2)
 from . import attn_fwd_hopper
 from .tuning import launch_with_fallback
 
@@ -48,11 +48,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
     k_offs = offs_nb[:, None] * stride_ks + offs_d[None, :]
     v_offs = offs_nb[:, None] * stride_vs + offs_dv[None, :]
     for start_n in range(lo, hi, BLOCK_N):
-        if BLOCK_SKIP:   # a tile the block mask leaves empty is skipped whole (a run-time branch)
-            live = tl.load(skip_base + (start_n // BLOCK_N) * skip_step) != 0
-        else:
-            live: tl.constexpr = True   # a static `if` below: the body runs as it did before block masks
-        if live:
+        if tile_live(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP):   # a tile the block mask leaves empty: skipped
             offs_n = start_n + offs_nb
             k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)

@@ -436,3 +436,13 @@ def floor_div(a, b):
 def floor_mod(a, b):
     """PyTorch's remainder of integers (the sign of the divisor)."""
     return a - floor_div(a, b) * b
+
+
+@triton.jit
+def tile_live(skip_base, start, BLOCK: tl.constexpr, skip_step, BLOCK_SKIP: tl.constexpr):
+    """Whether the kernel tile starting at `start` is live in a block mask's table (kernels/block_skip.py); without a
+    block mask always, a constant the caller's `if` folds away (the loop body then compiles as it did before)."""
+    if BLOCK_SKIP:
+        return tl.load(skip_base + (start // BLOCK) * skip_step) != 0
+    else:
+        return True
