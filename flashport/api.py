@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops, serve
+from . import ops, plan_cache, serve
 from .merge import merge_states_torch, validate_states
 from .spec import dense_spec, kvcache_spec, varlen_spec
 
@@ -41,11 +41,16 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         return ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                              deterministic=deterministic, return_lse=return_lse, backend=backend)
+    key = None if mods else plan_cache.dense_key(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes,
+                                                 dropout_p, deterministic, return_lse, backend)
+    hit = plan_cache.get(key)
+    if hit is not None:   # this description was validated and planned before
+        return _finish(*serve.run_launch(hit, plan_cache.inputs(q, k, v)), return_lse)
     spec, inputs = dense_spec(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                               softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                               deterministic=deterministic, return_lse=return_lse, score_mod=score_mod,
                               mask_mod=mask_mod, block_mask=block_mask, attn_bias=attn_bias)
-    return _finish(*serve.call(spec, inputs, backend), return_lse)
+    return _finish(*serve.call(spec, inputs, backend, key), return_lse)
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,

@@ -120,7 +120,10 @@ class Backend:
     def run(self, spec: AttnSpec, inputs):
         """This backend alone, forward and backward -> (out, lse).  An "own"-state backend overrides it."""
         from .plan import run_plan
-        return run_plan(Plan(self, self), spec, inputs)
+        pair = self.__dict__.get("_pair")   # made once: a frozen dataclass costs microseconds per call
+        if pair is None:
+            pair = self._pair = Plan(self, self)
+        return run_plan(pair, spec, inputs)
 
 
 @dataclass(frozen=True)
@@ -167,8 +170,10 @@ def unregister(name: str) -> None:
 
 
 def clear_cache() -> None:
-    """Forget memoised choices (after registering a backend, or patching one in a test)."""
+    """Forget memoised choices (after registering a backend, or patching one in a test), the launch plans too."""
     _memo.clear()
+    from . import plan_cache
+    plan_cache.clear()
 
 
 def get(name: str) -> Backend:

@@ -131,6 +131,21 @@ def _parse(path: str) -> tuple[dict, tuple[str, ...]]:
 
 def reload_config() -> None:
     _config.cache_clear()
+    _loads[0] += 1
+
+
+_loads = [0]   # reload_config() calls: part of state_key, since a reload may change every file-set switch
+# What state_key reads: every switch and what locates the config file, as os.environ's own (encoded) keys.
+_STATE_NAMES = (*SWITCHES, "XDG_CONFIG_HOME", "HOME")
+_STATE_KEYS = tuple(map(os.environ.encodekey, _STATE_NAMES)) if _ENVIRON is not None else ()
+
+
+def state_key() -> tuple:
+    """A value that changes whenever any switch's value may have (the environment's raw values, the config file's
+    location and reloads), cheap enough for every call: the launch-plan cache's key (flashport/plan_cache.py)."""
+    if _ENVIRON is None:
+        return (*map(os.environ.get, _STATE_NAMES), _loads[0])
+    return (*map(_ENVIRON.get, _STATE_KEYS), _loads[0])
 
 
 def config_values() -> dict:

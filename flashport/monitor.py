@@ -45,6 +45,23 @@ def add(backend: str, **counts) -> None:
             row[k] += n
 
 
+def count_forward(backend: str, fallback: bool, flops: int, nbytes: int, peak_fwd: int, bwd: str | None = None,
+                  peak_bwd: int = 0) -> None:
+    """One public call's forward: add() and peak() of serve.Launch's numbers under one lock (the hot path's)."""
+    with _lock:
+        row = _stats[backend]
+        row["calls"] += 1
+        row["forward"] += 1
+        row["fallbacks"] += fallback
+        row["flops"] += flops
+        row["bytes_read"] += nbytes
+        if peak_fwd > row["peak_extra_bytes"]:
+            row["peak_extra_bytes"] = peak_fwd
+        if bwd is not None:
+            row = _stats[bwd]
+            row["peak_extra_bytes"] = max(row["peak_extra_bytes"], peak_bwd)
+
+
 def peak(backend: str, nbytes: int) -> None:
     with _lock:
         row = _stats[backend]
@@ -161,9 +178,21 @@ def range_name(spec, backend: str, backward: bool = False) -> str:
 
 def ranged(spec, backend: str, backward: bool = False):
     """The call's profiler / NVTX range (a null context with FLASHPORT_RANGES=0)."""
+    return ranged_by(range_args(spec, backend, backward))
+
+
+def range_args(spec, backend: str, backward: bool = False):
+    """What ranged_by() needs, fixed by the call's description: (name, cuda), or None with FLASHPORT_RANGES=0."""
     if not env.flag("FLASHPORT_RANGES"):
+        return None
+    return _name(spec.kind, backend, backward), spec.device.type == "cuda"
+
+
+def ranged_by(args):
+    """A null context where no range is wanted: off, or on a CPU with no profiler recording (the check is one C call)."""
+    if args is None or not (args[1] or _profiling()):
         return _OFF
-    return _Ranged(_name(spec.kind, backend, backward), spec.device.type == "cuda")
+    return _Ranged(*args)
 
 
 class _Range:
@@ -236,11 +265,11 @@ def _own_objects():
 
 
 def cache_sizes() -> dict[str, int]:
-    """Entries held by every cache flashport owns, by name: the dispatcher's memo, each functools cache
+    """Entries held by every cache flashport owns, by name: the dispatcher's memo, the launch plans, each functools cache
     in a loaded flashport module, and each Triton / Gluon kernel's compiled variants (summed over
     devices) and autotuner choices.  A leak test reads it before and after: every entry must be flat."""
-    from . import dispatch
-    out = {"dispatch._memo": len(dispatch._memo)}
+    from . import dispatch, plan_cache
+    out = {"dispatch._memo": len(dispatch._memo), "plan_cache._cache": len(plan_cache._cache)}
     for qualname, obj in _own_objects():
         name = qualname.removeprefix("flashport.")
         if hasattr(obj, "cache_info"):

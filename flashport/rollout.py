@@ -74,9 +74,8 @@ def guard(sample_rate: float = 0.01, tolerance: float | None = None) -> _Handle:
     return _Handle(previous)
 
 
-def _configured() -> tuple[float, float | None]:
-    if _setting[0] is not None:
-        return _setting[0]
+def configured() -> tuple[float, float | None]:
+    """(rate, tolerance) from the switches (FLASHPORT_GUARD...), ignoring flashport.guard()'s setting."""
     rate, tol = env.raws(("FLASHPORT_GUARD", "FLASHPORT_GUARD_TOLERANCE"))
     rate, tol = rate or env.SWITCHES["FLASHPORT_GUARD"].default, tol or ""
     try:
@@ -100,9 +99,10 @@ def _warn_once(msg: str) -> None:
         log.warning("flashport: %s", msg)
 
 
-def sampled() -> tuple[bool, float | None]:
-    """(check this call?, tolerance).  Also collects the verdicts that have finished."""
-    rate, tol = _configured()
+def sampled(switches: tuple | None = None) -> tuple[bool, float | None]:
+    """(check this call?, tolerance).  Also collects the verdicts that have finished.  switches: configured()'s
+    value where the caller has it already (serve.Launch)."""
+    rate, tol = _setting[0] or switches or configured()
     if _pending:
         collect(wait=False)
     if rate <= 0.0:

@@ -3,10 +3,11 @@ guard sample it.  The eager entry points (api.py) and the custom ops (ops.py) sh
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
 
 import torch
 
-from . import dispatch, monitor, rollout
+from . import dispatch, monitor, plan_cache, rollout
 from .contents import guard as guard_contents
 from .dropout import draw_rng_state
 from .kvcache import append_kv, restore_kv
@@ -18,28 +19,57 @@ def with_rng(spec, inputs):
     return inputs
 
 
+@dataclass(frozen=True, eq=False)
+class Launch:
+    """What a call's description fixes about running it (everything but the tensors): the plan and what the
+    monitor counts.  flashport/plan_cache.py keeps them per description, so a repeated call skips validation,
+    selection and this arithmetic."""
+
+    spec: object
+    plan: dispatch.Plan
+    fallback: bool
+    flops: int
+    bytes_read: int
+    peak_fwd: int
+    peak_bwd: int
+    own: bool              # the backward runs in the backend's own autograd: bracketed for its range and count
+    range: object          # a _Ranged factory's arguments, or None with FLASHPORT_RANGES=0
+    guard: tuple           # rollout's (rate, tolerance) from the switches; flashport.guard() overrides it per call
+    slow: bool             # a backend at PyTorch-op speed on a GPU (selection warns and counts it at every call)
+
+
+def launch(spec, inputs, plan, fallback) -> Launch:
+    name = plan.fwd.name
+    return Launch(spec, plan, fallback, monitor.flops(spec), monitor.bytes_read(inputs),
+                  plan.fwd.extra_bytes(spec, "fwd"), plan.bwd.extra_bytes(spec, "bwd") if spec.needs_grad else 0,
+                  spec.needs_grad and plan.fwd.caps.saved_state == "own", monitor.range_args(spec, name),
+                  rollout.configured(), spec.device.type == "cuda" and (plan.fwd.slow_on_gpu or plan.bwd.slow_on_gpu))
+
+
 def serve(spec, inputs, plan, fallback, run=None):
     """-> (out, lse), differentiable through torch.autograd when spec.needs_grad; `run(spec, inputs)` replaces
     plan.run (forward_only's)."""
+    return run_launch(launch(spec, inputs, plan, fallback), inputs, run)
+
+
+def run_launch(la: Launch, inputs, run=None):
+    """serve() of a prepared Launch: count it, run it inside its range, let the guard sample it."""
+    spec, plan = la.spec, la.plan
     name = plan.fwd.name
-    monitor.add(name, calls=1, forward=1, fallbacks=int(fallback), flops=monitor.flops(spec),
-                bytes_read=monitor.bytes_read(inputs))
-    monitor.peak(name, plan.fwd.extra_bytes(spec, "fwd"))
-    if spec.needs_grad:
-        monitor.peak(plan.bwd.name, plan.bwd.extra_bytes(spec, "bwd"))
-    own = spec.needs_grad and plan.fwd.caps.saved_state == "own"
-    if own:   # its backward runs in its own autograd: bracket it to give it a range and a count
+    monitor.count_forward(name, la.fallback, la.flops, la.bytes_read, la.peak_fwd,
+                          plan.bwd.name if spec.needs_grad else None, la.peak_bwd)
+    if la.own:   # its backward runs in its own autograd: bracket it to give it a range and a count
         rng, q, k, v = monitor.bracket_inputs(spec, name, inputs.q, inputs.k, inputs.v)
         inputs = dataclasses.replace(inputs, q=q, k=k, v=v)
     try:
-        with monitor.ranged(spec, name):
+        with monitor.ranged_by(la.range):
             out, lse = (run or plan.run)(spec, inputs)
     except Exception:
         monitor.add(name, errors=1)
         raise
-    if own:
+    if la.own:
         out = monitor.bracket_output(rng, out)
-    check, tolerance = rollout.sampled()
+    check, tolerance = rollout.sampled(la.guard)
     if check:
         rollout.check(spec, inputs, out, name, tolerance)
     return out, lse
@@ -53,10 +83,12 @@ def _select(spec, inputs, backend, state):
     return plan, fallback, with_rng(spec, inputs)
 
 
-def call(spec, inputs, backend):
-    """Dense and varlen calls: select, then serve."""
+def call(spec, inputs, backend, key=None):
+    """Dense and varlen calls: select, then serve; key: the call's plan_cache description (None: not cached)."""
     plan, fallback, inputs = _select(spec, inputs, backend, "any")
-    return serve(spec, inputs, plan, fallback)
+    la = launch(spec, inputs, plan, fallback)
+    plan_cache.put(key, la)
+    return run_launch(la, inputs)
 
 
 def forward_only(spec, inputs, backend, state):

@@ -87,12 +87,16 @@ def _bhsd(x: torch.Tensor) -> torch.Tensor:
     return x.transpose(1, 2)   # [B, S, H, D] -> [B, H, S, D], a view
 
 
+# The forward op's Python binding where torch exposes one: ~2.5 us less per call than torch.ops.aten's dispatch.
+_FWD_BINDING = getattr(torch, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
 def _fwd(q, k, v, causal: bool, scale: float, mask=None):
     """One kernel call on [B, S, H, D] tensors -> (out [B, Sq, Hq, D], lse [B, Hq, Sq]); mask: additive [1, 1, Sq, Sk]
     in q's dtype (the kernel's attn_mask) or None."""
-    fwd, _ = _ops()
-    out, lse = fwd(_bhsd(q), _bhsd(k), _bhsd(v), 0.0, causal, attn_mask=mask, scale=scale)
-    return _bhsd(out), lse
+    fwd = _FWD_BINDING or _ops()[0]
+    out, lse = fwd(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, attn_mask=mask, scale=scale)
+    return out.transpose(1, 2), lse
 
 
 def _bwd(do, q, k, v, out, lse, dlse, causal: bool, scale: float, mask=None):
@@ -279,6 +283,9 @@ def _forward_as_is(q, k, v, window, scale: float, slopes=None, mods: Optional[Mo
             out[:, m0:m1], lse[:, :, m0:m1] = o, l
         return out, lse.float(), lse
     causal = window[1] == 0
+    if not causal or sq == sk:   # the common call: one kernel call on the tensors as given
+        o, l = _fwd(q, k, v, causal, scale)
+        return o, l.float(), l
     parts = _parts(sq, sk, causal)
     if len(parts) == 1:
         (m0, m1), (n0, n1), part_causal = parts[0]

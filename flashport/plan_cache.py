@@ -1,0 +1,69 @@
+"""The launch-plan cache: a dense call whose description was seen before skips validation and selection.
+
+A description is everything the validation and the selection read: the tensors' shapes, dtypes and devices,
+whether each is unit-stride in its head dimension, whether the call needs gradients, the keyword options (of
+exactly the types the contract accepts), the named backend (argument and use_backend()), and every switch
+(env.state_key).  The same description always passes the same checks and gets the same plan, so a hit runs the
+stored serve.Launch directly on the new tensors.  What changes a choice without changing a description (a
+backend registered, a table loaded, a quarantine) clears the cache through dispatch.clear_cache().
+
+Only the common call is cached: plain tensors, no ALiBi slopes, no dropout (each call draws a seed), no
+programmable mods, no plan that warns of a slow GPU path.  Everything else takes the full path every time.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import dispatch, env
+from .spec import AttnInputs
+
+_Tensor = torch.Tensor
+_is_grad_enabled = torch.is_grad_enabled
+_forced = dispatch._forced.get   # use_backend()'s name
+_NUMBER = (float, int)
+_cache: dict = {}
+SIZE = 4096   # descriptions remembered; the oldest half is dropped beyond it (a server sees many lengths)
+
+
+def dense_key(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, deterministic,
+              return_lse, backend):
+    """The call's description, or None where the call is not one the cache serves."""
+    if (q.__class__ is not _Tensor or k.__class__ is not _Tensor or v.__class__ is not _Tensor
+            or alibi_slopes is not None or causal.__class__ is not bool or deterministic.__class__ is not bool
+            or return_lse.__class__ is not bool or window_size.__class__ is not tuple
+            or softcap.__class__ not in _NUMBER or dropout_p.__class__ not in _NUMBER or dropout_p
+            or not (softmax_scale is None or softmax_scale.__class__ in _NUMBER)
+            or not (backend is None or backend.__class__ is str)):
+        return None
+    if len(window_size) != 2 or window_size[0].__class__ is not int or window_size[1].__class__ is not int:
+        return None
+    qs, ks, vs = q.shape, k.shape, v.shape
+    if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
+        return None
+    grad = _is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    return (qs, ks, vs, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad,
+            q.stride(3) == 1, k.stride(3) == 1, v.stride(3) == 1, causal, softmax_scale, window_size, softcap,
+            deterministic, return_lse, backend, _forced(), env.state_key())
+
+
+def get(key):
+    return None if key is None else _cache.get(key)
+
+
+def put(key, launch) -> None:
+    if key is None or launch.slow:
+        return
+    if len(_cache) >= SIZE:
+        for old in list(_cache)[:SIZE // 2]:
+            del _cache[old]
+    _cache[key] = launch
+
+
+def clear() -> None:
+    _cache.clear()
+
+
+def inputs(q, k, v) -> AttnInputs:
+    """The call's tensors as dense_spec would pass them (a copy only where the head dimension is strided)."""
+    return AttnInputs(q if q.stride(3) == 1 else q.contiguous(), k if k.stride(3) == 1 else k.contiguous(),
+                      v if v.stride(3) == 1 else v.contiguous())

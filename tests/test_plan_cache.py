@@ -1,0 +1,143 @@
+"""The launch-plan cache (flashport/plan_cache.py): a repeated call skips validation and selection, and nothing a
+description leaves out can change what a call does or which errors it raises."""
+import pytest
+import torch
+
+import flashport
+from flashport import api, dispatch, plan_cache, rollout
+
+
+def _qkv(s=8, grad=False, dtype=torch.float32):
+    g = torch.Generator().manual_seed(s)
+    return tuple(torch.randn(1, s, 2, 16, generator=g, dtype=dtype).requires_grad_(grad) for _ in range(3))
+
+
+@pytest.fixture(autouse=True)
+def _fresh():
+    dispatch.clear_cache()
+    yield
+    dispatch.clear_cache()
+
+
+@pytest.fixture
+def specs_built(monkeypatch):
+    """How many calls went through validation (api.dense_spec)."""
+    n = [0]
+    real = api.dense_spec
+
+    def counted(*a, **kw):
+        n[0] += 1
+        return real(*a, **kw)
+
+    monkeypatch.setattr(api, "dense_spec", counted)
+    return n
+
+
+def test_a_repeated_call_is_validated_once_and_a_new_shape_again(specs_built):
+    q, k, v = _qkv()
+    first = flashport.attention(q, k, v, causal=True)
+    again = flashport.attention(*(x.clone() for x in (q, k, v)), causal=True)
+    assert specs_built[0] == 1
+    torch.testing.assert_close(again, first, rtol=0, atol=0)
+    flashport.attention(*_qkv(s=9), causal=True)
+    flashport.attention(q, k, v, causal=False)
+    assert specs_built[0] == 3
+
+
+def test_bad_input_after_a_cached_good_call_still_raises():
+    q, k, v = _qkv()
+    flashport.attention(q, k, v, causal=True, softmax_scale=0.5, window_size=(3, 0))
+    with pytest.raises(TypeError, match="causal"):
+        flashport.attention(q, k, v, causal=1, softmax_scale=0.5, window_size=(3, 0))
+    with pytest.raises(TypeError, match="window_size"):
+        flashport.attention(q, k, v, causal=True, softmax_scale=0.5, window_size=(3, False))
+    with pytest.raises(ValueError, match="softmax_scale"):
+        flashport.attention(q, k, v, causal=True, softmax_scale=float("nan"), window_size=(3, 0))
+    with pytest.raises(TypeError, match="share one dtype"):
+        flashport.attention(q, k.double(), v, causal=True, softmax_scale=0.5, window_size=(3, 0))
+    with pytest.raises(TypeError, match="softcap"):
+        flashport.attention(q, k, v, causal=True, softmax_scale=0.5, window_size=(3, 0), softcap=True)
+
+
+def test_a_strided_head_dim_is_copied_on_a_hit_as_on_a_miss():
+    q, k, v = _qkv()
+    ref = flashport.attention(q, k, v)
+    wide = torch.stack([k, k], -1)[..., 0]           # k's values, head dimension at stride 2
+    assert wide.stride(-1) == 2
+    for _ in range(2):
+        torch.testing.assert_close(flashport.attention(q, wide, v), ref, rtol=0, atol=0)
+
+
+def test_the_named_backend_and_the_switches_are_part_of_the_description(monkeypatch):
+    q, k, v = _qkv()
+    ran = []
+    ref = dispatch._REGISTRY["reference"]
+    real = ref.forward
+    monkeypatch.setattr(ref, "forward", lambda s, i: ran.append(1) or real(s, i))
+    flashport.attention(q, k, v)
+    assert ran == []
+    with flashport.use_backend("reference"):
+        flashport.attention(q, k, v)
+    assert len(ran) == 1
+    flashport.attention(q, k, v)
+    assert len(ran) == 1
+    monkeypatch.setenv("FLASHPORT_BACKEND", "reference")
+    flashport.attention(q, k, v)
+    assert len(ran) == 2
+    monkeypatch.setenv("FLASHPORT_DISABLE", "reference")
+    with pytest.raises(flashport.UnsupportedError, match="disabled"):
+        flashport.attention(q, k, v)
+
+
+def test_a_hit_counts_and_is_guarded_like_a_miss():
+    q, k, v = _qkv()
+    flashport.reset_stats()
+    for _ in range(3):
+        flashport.attention(q, k, v)
+    name = dispatch.select(api.dense_spec(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                                          alibi_slopes=None, dropout_p=0.0, deterministic=False,
+                                          return_lse=False)[0]).fwd.name
+    st = flashport.stats()[name]
+    assert st["calls"] == 3 and st["forward"] == 3 and st["flops"] > 0 and st["peak_extra_bytes"] > 0
+    with flashport.guard(sample_rate=1.0):
+        flashport.attention(q, k, v)
+    rollout.collect(wait=True)
+    assert flashport.stats()[name]["guard_checks"] == 1
+
+
+def test_grad_mode_is_part_of_the_description():
+    q, k, v = _qkv(grad=True)
+    with torch.no_grad():
+        assert not flashport.attention(q, k, v).requires_grad
+    out = flashport.attention(q, k, v)
+    out.sum().backward()
+    assert q.grad is not None and k.grad is not None and v.grad is not None
+
+
+def test_a_quarantine_clears_the_cache():
+    q, k, v = _qkv()
+    first = dispatch.select(api.dense_spec(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1),
+                                           softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False,
+                                           return_lse=False)[0]).fwd.name
+    flashport.attention(q, k, v)
+    assert len(plan_cache._cache) == 1
+    rollout.quarantine(first, "test")
+    try:
+        assert len(plan_cache._cache) == 0
+        flashport.reset_stats()
+        flashport.attention(q, k, v)
+        assert first not in flashport.stats()
+    finally:
+        rollout.release_quarantine(first)
+
+
+def test_uncached_calls_and_the_bound(monkeypatch):
+    q, k, v = _qkv()
+    flashport.attention(q, k, v, dropout_p=0.1)
+    flashport.attention(q, k, v, window_size=[2, 0])
+    flashport.attention(q, k, v, alibi_slopes=torch.ones(2))
+    assert len(plan_cache._cache) == 0
+    monkeypatch.setattr(plan_cache, "SIZE", 4)
+    for s in range(1, 11):
+        flashport.attention(*_qkv(s=s))
+        assert len(plan_cache._cache) <= 4
