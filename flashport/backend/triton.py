@@ -25,6 +25,10 @@ MODS = ("score_mod", "mask_mod", "block_mask")
 
 MAX_HEAD_DIM = 256
 MAX_GRID_YZ = 65535  # CUDA grid limit for the head and batch dimensions
+# KV-cache calls with at least this many queries run on the prefill kernel (kernels/attn_fwd.kvcache_forward: one
+# program per 64-128 query rows and head, causal tiles skipped), fewer on the decode kernel (GQA rows packed, keys
+# split across programs).
+PREFILL_MIN_Q = 16
 
 
 @functools.lru_cache(maxsize=8)
@@ -140,6 +144,16 @@ class TritonBackend(dispatch.Backend):
 
     def forward(self, spec: AttnSpec, inputs: AttnInputs):
         if spec.kind == "kvcache":
+            if spec.seqlen_q >= PREFILL_MIN_Q:   # chunked prefill / verification: the prefill kernel, paged reads
+                from ..kernels.attn_fwd import kvcache_forward
+                from ..kernels.common import device_guard
+                seqlens = inputs.seqlens_k
+                if seqlens is None:
+                    seqlens = torch.full((spec.batch,), spec.seqlen_k, dtype=torch.int32, device=spec.device)
+                with device_guard(spec.device):
+                    out, lse = kvcache_forward(spec, inputs.q, inputs.k, inputs.v, seqlens, inputs.block_table,
+                                               alibi=inputs.alibi_slopes)
+                return out, lse, None
             from ..kernels.decode import kvcache_attention
             out, lse = kvcache_attention(spec, inputs)
             return out, lse, None

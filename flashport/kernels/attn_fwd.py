@@ -36,12 +36,15 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
                skip_base, skip_step, D: tl.constexpr, DV: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
                BLOCK_DV: tl.constexpr, MASK: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
                SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
-               SCALE_FOLD: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr):
+               SCALE_FOLD: tl.constexpr, SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+               pages=None, stride_kp=0, stride_vp=0, PAGE: tl.constexpr = 0):
     """Key tiles [lo, hi) (lo a multiple of BLOCK_N); k_ptr / v_ptr point at key row lo.  Tiles in
     [full_lo, full_hi) need no mask (used when MASK == 2, see common.mask_scores).  SCORE_MOD / MASK_MOD: the
     generated functions of kernels/mod_codegen.py (None without mods), reading the captured tensors in `mods`;
     b, h: the batch entry and query head they see.  BLOCK_SKIP: key tile t is visited only where
-    skip_base[t * skip_step] != 0 (a block mask's live tiles)."""
+    skip_base[t * skip_step] != 0 (a block mask's live tiles).  PAGE > 0: a paged KV cache, key n in slot n % PAGE
+    of page pages[n // PAGE] (page strides stride_kp / stride_vp); k_ptr / v_ptr then point at the head's row 0
+    of page 0 and do not move."""
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -50,7 +53,14 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
     for start_n in range(lo, hi, BLOCK_N):
         if tile_live(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP):   # a tile the block mask leaves empty: skipped
             offs_n = start_n + offs_nb
-            k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
+            if PAGE > 0:   # one page-table entry per key (a tile may span pages); keys past sk read page 0
+                page = tl.load(pages + offs_n // PAGE, mask=offs_n < sk, other=0).to(tl.int64)
+                slot = offs_n % PAGE
+                k = load_tile(k_ptr + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
+                              offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
+                v_tile = v_ptr + (page * stride_vp + slot * stride_vs)[:, None] + offs_dv[None, :]
+            else:
+                k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
             qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
             boundary = (start_n < full_lo) | (start_n >= full_hi)
             if SCALE_FOLD:
@@ -89,11 +99,15 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
                 # l_i normalises the undropped probabilities; kept ones are rescaled in the epilogue.
                 p = tl.where(dropout_keep(seed, rng_offset, bh, offs_m[:, None], offs_n[None, :], drop_threshold),
                              p, 0.0)
-            v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
+            if PAGE > 0:
+                v = load_tile(v_tile, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
+            else:
+                v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
             m_i = m_ij
-        k_ptr += BLOCK_N * stride_ks
-        v_ptr += BLOCK_N * stride_vs
+        if PAGE == 0:
+            k_ptr += BLOCK_N * stride_ks
+            v_ptr += BLOCK_N * stride_vs
     return acc, l_i, m_i
 
 
@@ -106,7 +120,10 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               PRECISION: tl.constexpr, SPLIT: tl.constexpr, SCALE_FOLD: tl.constexpr, ALIGN: tl.constexpr,
-              SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr):
+              SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr, Pages=None, stride_pb=0,
+              PAGE: tl.constexpr = 0):
+    # IS_VARLEN 2 (a KV cache): CuK holds each entry's valid key count; PAGE > 0: the cache is paged, entry b's
+    # page table the row Pages + b * stride_pb, and stride_kb / stride_vb are the cache's page strides.
     # Heaviest Q tiles (largest row index: most keys under causal) are scheduled first.
     pid_m = tl.num_programs(0) - 1 - tl.program_id(0)
     h = tl.program_id(1)
@@ -137,8 +154,14 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
         skip_base = skip[0] + b * skip[1] + h * skip[2] + pid_m * skip[3]
         skip_step = skip[4]
 
-    k_base = K + offset(b64, kvh, k_start, stride_kb, stride_kh, stride_ks, ALIGN)
-    v_base = V + offset(b64, kvh, k_start, stride_vb, stride_vh, stride_vs, ALIGN)
+    pages = Pages
+    if PAGE > 0:
+        pages = Pages + b64 * stride_pb
+        k_base = K + offset(b64 * 0, kvh, 0, stride_kb, stride_kh, stride_ks, ALIGN)
+        v_base = V + offset(b64 * 0, kvh, 0, stride_vb, stride_vh, stride_vs, ALIGN)
+    else:
+        k_base = K + offset(b64, kvh, k_start, stride_kb, stride_kh, stride_ks, ALIGN)
+        v_base = V + offset(b64, kvh, k_start, stride_vb, stride_vh, stride_vs, ALIGN)
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
@@ -147,12 +170,14 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     for part in tl.static_range(3 if SPLIT else 1):
         p_lo, p_hi = tile_part(lo, hi, full_lo, full_hi, part, SPLIT)
         r = tl.cast(p_lo, tl.int64)
+        if PAGE > 0:   # a paged cache's tiles find their rows themselves
+            r = r * 0
         acc, l_i, m_i = _fwd_tiles(
             acc, l_i, m_i, q, k_base + r * stride_ks, v_base + r * stride_vs, stride_ks, stride_vs, p_lo, p_hi,
             full_lo, full_hi, offs_m, sk, diag, left, right, qk_scale, cap_in, cap_out, slope2, seed, rng_offset, bh,
             drop_threshold, b, h, mods, skip_base, skip_step, D, DV, BLOCK_N, BLOCK_D, BLOCK_DV,
             (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION,
-            SCALE_FOLD, SCORE_MOD, MASK_MOD, BLOCK_SKIP)
+            SCALE_FOLD, SCORE_MOD, MASK_MOD, BLOCK_SKIP, pages, stride_kb, stride_vb, PAGE)
 
     # Epilogue: rows that saw no key (l_i = 0) get out = 0 and lse = -inf.
     empty = l_i == 0.0
@@ -207,18 +232,41 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
             lse.fill_(float("-inf"))
         return out, lse, lse2.fill_(float("inf"))
     a = KernelArgs(spec, q, k, v, alibi, cu_seqlens_q, cu_seqlens_k, rng_state, mods, block_mask)
-    scale_fold = spec.softmax_scale > 0 and spec.softcap == 0 and alibi is None and a.constexprs["SCORE_MOD"] is None
+    _launch(spec, q, k, v, out, lse, lse2, o_strides, l_strides, a, config)
+    return out, lse, lse2
+
+
+def kvcache_forward(spec, q, k_cache, v_cache, seqlens_k, block_table=None, alibi=None, config=None):
+    """A KV-cache call with many queries (chunked prefill, speculative verification) on this prefill kernel:
+    q [B, Sq, Hq, D] against the first seqlens_k[b] keys of entry b's cache, bottom-right aligned.  Dense cache
+    [B, capacity, Hkv, D]; paged [num_blocks, page, Hkv, D] with block_table int32 [B, max_blocks] (spec.paged).
+    seqlens_k int32 [B] on the device (never read on the host) -> (out [B, Sq, Hq, Dv], lse [B, Hq, Sq] float32)."""
+    bsz, sq, hq, _ = q.shape
+    out = torch.empty(bsz, sq, hq, spec.head_dim_v, dtype=q.dtype, device=q.device)
+    lse = torch.empty(bsz, hq, sq, dtype=torch.float32, device=q.device)
+    if out.numel() == 0 or spec.seqlen_k == 0:   # nothing to attend to: 0, -inf
+        return out.zero_(), lse.fill_(float("-inf"))
+    a = KernelArgs(spec, q, k_cache, v_cache, alibi)
+    a.cu_k = seqlens_k
+    a.constexprs["IS_VARLEN"] = 2
+    pages = dict(Pages=block_table, stride_pb=block_table.stride(0), PAGE=spec.page_block_size) if spec.paged else {}
+    _launch(spec, q, k_cache, v_cache, out, lse, torch.empty_like(lse), out.stride()[:3], lse.stride()[:2], a, config,
+            pages)
+    return out, lse
+
+
+def _launch(spec, q, k, v, out, lse, lse2, o_strides, l_strides, a: KernelArgs, config, pages=None):
+    scale_fold = spec.softmax_scale > 0 and spec.softcap == 0 and a.slopes is None and a.constexprs["SCORE_MOD"] is None
     a.cover(out)
 
     def launch(cfg):
-        grid = (cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
+        grid = (cdiv(spec.seqlen_q, cfg.block_m), spec.heads_q, spec.batch)
         _attn_fwd[grid](
             q, k, v, out, lse, lse2, a.slopes, a.cu_q, a.cu_k, a.rng,
             *a.q_strides, *a.k_strides, *a.v_strides, *o_strides, *l_strides, a.slope_stride,
             a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,
             a.drop_threshold, a.drop_scale, a.mods, a.skip(cfg.block_m, cfg.block_n),
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCALE_FOLD=scale_fold,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
+            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs, **(pages or {}))
 
     launch_with_fallback("fwd", spec, q.device, launch, config)
-    return out, lse, lse2

@@ -46,8 +46,15 @@ def device_guard(device: torch.device):
 
 @triton.jit
 def seq_bounds(b, CuQ, CuK, seqlen_q, seqlen_k, IS_VARLEN: tl.constexpr):
-    """(q_start, Sq, k_start, Sk) of batch entry b: packed offsets from cu_seqlens, or the dense sizes."""
-    if IS_VARLEN:
+    """(q_start, Sq, k_start, Sk) of batch entry b: packed offsets from cu_seqlens (IS_VARLEN 1), dense queries
+    against a KV cache whose valid length CuK[b] varies per entry (IS_VARLEN 2: CuK is seqlens_k), or the dense
+    sizes (0)."""
+    if IS_VARLEN == 2:
+        q_start = b * 0
+        sq = seqlen_q + b * 0
+        k_start = b * 0
+        sk = tl.load(CuK + b)
+    elif IS_VARLEN:
         q_start = tl.load(CuQ + b)
         sq = tl.load(CuQ + b + 1) - q_start
         k_start = tl.load(CuK + b)

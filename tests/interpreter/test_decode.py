@@ -22,6 +22,7 @@ from flashport.kernels.merge import merge_partials, merge_states_triton
 from flashport.kernels.splitkv import choose_config, choose_num_splits
 from flashport.kvcache import append_kv, gather_pages
 from flashport.merge import merge_states_torch
+from flashport.kernels.attn_fwd import kvcache_forward
 from flashport.spec import kvcache_spec
 
 pytestmark = [
@@ -52,6 +53,7 @@ class KV:
     num_splits: Optional[int] = 3
     block_m: Optional[int] = None
     block_n: Optional[int] = None
+    prefill: bool = False         # the prefill kernel (attn_fwd.kvcache_forward) instead of the decode kernel
 
     @property
     def b(self):
@@ -122,6 +124,12 @@ def run_triton(case: KV, q, k_cache, v_cache, k_new, v_new, lens, block_table, s
         **_kw(case, slopes))
     assert kvcache_supports(spec) == []
     append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
+    if case.prefill:
+        seqlens = inputs.seqlens_k
+        if seqlens is None:
+            seqlens = torch.full((spec.batch,), spec.seqlen_k, dtype=torch.int32)
+        return kvcache_forward(spec, inputs.q, inputs.k, inputs.v, seqlens, inputs.block_table,
+                               alibi=inputs.alibi_slopes)
     return kvcache_attention(spec, inputs, num_splits=case.num_splits, block_m=case.block_m,
                              block_n=case.block_n)
 
@@ -210,9 +218,28 @@ CASES = {
 }
 
 
+# Chunked prefill and verification on the prefill kernel (tiles of 16 x 16 here): query rows spanning several Q tiles.
+PREFILL_CASES = {
+    "chunk-dense-gqa": KV(lens=(0, 23, 47), cap=96, sq=33, s_new=33, hkv=2),
+    "chunk-paged16-f16": KV(lens=(5, 40), cap=96, page=16, sq=20, s_new=20, hkv=2, dtype=F16),
+    # A page (48) that the 16-key tile divides, and one (24) that splits tiles across pages.
+    "chunk-paged48": KV(lens=(0, 50, 70), cap=144, page=48, sq=17, s_new=17, hkv=1),
+    "chunk-paged24-window": KV(lens=(9, 60), cap=96, page=24, sq=18, s_new=18, window=(10, 0), hkv=2),
+    "chunk-softcap-alibi": KV(lens=(3, 30), cap=64, sq=19, s_new=19, softcap=2.0, alibi="batch_head", hkv=2),
+    "chunk-noncausal-dv": KV(lens=(7, 26), cap=64, sq=16, s_new=5, causal=False, d=40, dv=24, hkv=2),
+    "chunk-no-append-short-cache": KV(lens=(1, 0, 30), cap=32, sq=18, s_new=0, hkv=2),
+    "chunk-strided": KV(lens=(12, 30), cap=64, sq=17, s_new=17, strided=True, hkv=2, d=24),
+}
+
+
 @pytest.mark.parametrize("name", list(CASES))
 def test_kvcache_kernel(name):
     check(CASES[name])
+
+
+@pytest.mark.parametrize("name", list(CASES) + list(PREFILL_CASES))
+def test_kvcache_on_the_prefill_kernel(name):
+    check(PREFILL_CASES.get(name, CASES.get(name)).replace(prefill=True))
 
 
 def test_splits_agree_with_one_split():
@@ -231,6 +258,20 @@ def test_public_api_triton_backend():
         pytest.skip("the triton backend is not registered in this checkout yet")
     check(KV(lens=(0, 40, 63), cap=64, page=16, sq=2, s_new=1, hkv=2, num_splits=None), via_api=True)
     check(KV(lens=(3, 20), cap=24, s_new=0, dtype=F16, num_splits=None), via_api=True)
+
+
+def test_many_queries_take_the_prefill_kernel(monkeypatch):
+    """attention_with_kvcache with >= PREFILL_MIN_Q queries runs the prefill kernel, fewer the decode kernel."""
+    from flashport.backend import triton as tb
+    from flashport.kernels import attn_fwd, decode
+    ran = []
+    for mod, name in ((attn_fwd, "kvcache_forward"), (decode, "kvcache_attention")):
+        real = getattr(mod, name)
+        monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **kw: ran.append(name) or real(*a, **kw))
+    n = tb.PREFILL_MIN_Q
+    check(KV(lens=(0, 40), cap=96, page=16, sq=n, s_new=n, hkv=2, num_splits=None), via_api=True)
+    check(KV(lens=(0, 40), cap=96, page=16, sq=n - 1, s_new=n - 1, hkv=2, num_splits=None), via_api=True)
+    assert ran == ["kvcache_forward", "kvcache_attention"]
 
 
 def test_supports_reasons(monkeypatch):
