@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The 17th session's own GPU checks (one call, results in $OUT/c.tgz): issue [8]'s chunked prefill on the prefill
+# kernel (tools/gpu/chunked_probe.py: it against the decode kernel, SDPA and FA4 where part b installed it, outputs
+# checked), the GPU tier's KV-cache, Triton and operability tests, the fuzz tier on triton with the new kvcache
+# query lengths, and the host time per eager call with the launch-plan cache (tools/gpu/host_stages.py).
+set -uo pipefail
+cd "$(dirname "$0")/../.."
+R=/tmp/s17_c; rm -rf "$R"; mkdir -p "$R"
+export PYTHONPATH=$PWD PYTHONUNBUFFERED=1
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/card.txt"
+if [ -d /tmp/fa4site ]; then   # left by gpu_s17.sh part b on this warm machine
+  export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_kernel_cache
+fi
+timeout ${PROBE_SECONDS:-180} python tools/gpu/chunked_probe.py --out "$R/chunked.json" 2>&1 \
+  | grep -v "Warning\|warn" > "$R/chunked.log"
+echo "chunked probe rc=${PIPESTATUS[0]}"; cat "$R/chunked.log" | cut -c1-400
+timeout ${FUZZ_SECONDS:-110} python -m flashport.fuzz --backend triton --device cuda --entries kvcache \
+  --n ${FUZZ_N:-600} --size full --dtype bfloat16,float16 --max-seconds $(( ${FUZZ_SECONDS:-110} - 15 )) \
+  --log "$R/fuzz_kvcache.jsonl" > "$R/fuzz_kvcache.log" 2>&1
+echo "fuzz rc=$?"; tail -22 "$R/fuzz_kvcache.log"
+timeout ${TIER_SECONDS:-150} python -m pytest -q -p no:cacheprovider -p no:logging --tb=short \
+  tests/gpu/test_decode_gpu.py tests/gpu/test_operability_gpu.py tests/gpu/test_triton_gpu.py > "$R/gpu_tier.log" 2>&1
+echo "gpu tier rc=$?"; grep -E "passed|failed|^FAILED|^E " "$R/gpu_tier.log" | head -20
+timeout ${HOST_SECONDS:-90} python tools/gpu/host_stages.py --out "$R/host_stages.json" > "$R/host_stages.log" 2>&1
+echo "host stages rc=$?"; head -40 "$R/host_stages.log"
+tar -C /tmp -czf "$OUT/c.tgz" s17_c && ls -la "$OUT"
