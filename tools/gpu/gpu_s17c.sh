@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # The 17th session's own GPU checks (one call, results in $OUT/c.tgz): issue [8]'s chunked prefill on the prefill
-# kernel (tools/gpu/chunked_probe.py: it against the decode kernel, SDPA and FA4 where part b installed it, outputs
+# kernel (tools/gpu/kvcache_probe.py: it against the decode kernel, SDPA and FA4 where part b installed it, outputs
 # checked), the GPU tier's KV-cache, Triton and operability tests, the fuzz tier on triton with the new kvcache
-# query lengths, and the host time per eager call with the launch-plan cache (tools/gpu/host_stages.py).
+# query lengths, and the host time per eager call with the launch-plan cache (tools/gpu/host_stages.py); the probe
+# also sweeps the decode kernel's split count on ragged and uniform lengths (issue [8]'s ragged paged decode).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 R=/tmp/s17_c; rm -rf "$R"; mkdir -p "$R"
@@ -12,9 +13,9 @@ if [ -d /tmp/fa4site ]; then   # left by gpu_s17.sh part b on this warm machine
   export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
   export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_kernel_cache
 fi
-timeout ${PROBE_SECONDS:-180} python tools/gpu/chunked_probe.py --out "$R/chunked.json" 2>&1 \
-  | grep -v "Warning\|warn" > "$R/chunked.log"
-echo "chunked probe rc=${PIPESTATUS[0]}"; cat "$R/chunked.log" | cut -c1-400
+timeout ${PROBE_SECONDS:-180} python tools/gpu/kvcache_probe.py --out "$R/kvcache.json" 2>&1 \
+  | grep -v "Warning\|warn" > "$R/kvcache.log"
+echo "kvcache probe rc=${PIPESTATUS[0]}"; cat "$R/kvcache.log" | cut -c1-400
 timeout ${FUZZ_SECONDS:-110} python -m flashport.fuzz --backend triton --device cuda --entries kvcache \
   --n ${FUZZ_N:-600} --size full --dtype bfloat16,float16 --max-seconds $(( ${FUZZ_SECONDS:-110} - 15 )) \
   --log "$R/fuzz_kvcache.jsonl" > "$R/fuzz_kvcache.log" 2>&1

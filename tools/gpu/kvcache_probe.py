@@ -1,12 +1,18 @@
-"""Chunked prefill and speculative verification through attention_with_kvcache: the prefill kernel
+"""KV-cache calls on the GPU, two questions in one run.
+
+1. Chunked prefill and speculative verification through attention_with_kvcache: the prefill kernel
 (kernels/attn_fwd.kvcache_forward, >= backend/triton.PREFILL_MIN_Q queries) against the decode kernel on the same
 call, SDPA-FA2 / cuDNN with a bottom-right causal bias (dense caches only) and FA4 (page_table with seqused_k), in
-one process, each output checked against a float32 PyTorch computation of the same call.
+one process, each output checked against a float32 PyTorch computation of the same call.  Cells: GQA 32/8,
+D=128, bf16, B entries of Sq new queries after Sk - Sq cached keys, dense / page 16 / page 256 caches; Sq from 16
+(verification) to 4096 (a long chunk).
+2. Decode with ragged lengths (issue [8]: 64 sequences of 1-16k tokens, 64/8 heads, pages of 16) and uniform ones
+(64 x 4096): the decode kernel's forced split counts against its heuristic, CUDA-graph replay, % of the device copy
+rate measured in the same process (K+V bytes of the valid lengths).
 
-    PYTHONPATH=. python3 tools/gpu/chunked_probe.py [--out chunked.json] [--quick]
+    PYTHONPATH=. python3 tools/gpu/kvcache_probe.py [--out kvcache.json] [--quick] [--skip-chunked]
 
-Cells: GQA 32/8, D=128, bf16, B entries of Sq new queries after Sk - Sq cached keys, dense / page 16 / page 256
-caches; Sq from 16 (verification) to 4096 (a long chunk).  Needs CUDA.
+Needs CUDA.
 """
 from __future__ import annotations
 
@@ -114,10 +120,46 @@ def cell(b, sq, sk, page, dev, fa4):
     return row
 
 
+def ragged_sweep(dev, shapes=None, splits_list=(None, 1, 2, 4, 8, 16, 32, 64)) -> list:
+    """Graph-replayed decode at forced split counts, ragged and uniform lengths -> rows."""
+    from flashport.bench.shapes import Shape, decode_lens
+    from flashport.bench.timing import copy_gbps, gpu_graph_ms
+    from flashport.kernels import decode
+    from flashport.spec import kvcache_spec
+    copy = copy_gbps(dev)
+    rows = []
+    for shape in shapes or (Shape("ragged-decode", 64, 1, 16384, 64, 8, 128, kind="decode", page=16, ragged=True),
+                            Shape("uniform-decode", 64, 1, 4096, 32, 8, 128, kind="decode", page=16)):
+        g = torch.Generator(device=dev).manual_seed(0)
+        lens = decode_lens(shape).to(dev)
+        nblk = shape.sk // shape.page
+        q = torch.randn(shape.b, 1, shape.hq, shape.d, device=dev, dtype=DT, generator=g)
+        kc = torch.randn(shape.b * nblk, shape.page, shape.hkv, shape.d, device=dev, dtype=DT, generator=g)
+        vc = torch.randn(kc.shape, device=dev, dtype=DT, generator=g)
+        table = torch.randperm(shape.b * nblk, device=dev, generator=g).view(shape.b, nblk).to(torch.int32)
+        spec, inputs, _ = kvcache_spec(q, kc, vc, None, None, cache_seqlens=lens, block_table=table, causal=False,
+                                       softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                       return_lse=False)
+        nbytes = int(lens.sum()) * shape.hkv * shape.d * 2 * 2
+        base = decode.kvcache_attention(spec, inputs)[0].float()
+        heuristic = decode.plan_for(spec, dev).num_splits
+        for splits in splits_list:
+            fn = (lambda s=splits: decode.kvcache_attention(spec, inputs, num_splits=s)[0])
+            err = (fn().float() - base).abs().max().item()
+            ms, _ = gpu_graph_ms(fn)
+            row = {"label": shape.label(), "splits": splits or heuristic, "heuristic": splits is None, "graph_ms": ms,
+                   "gbps": nbytes / ms / 1e6, "frac_of_copy": nbytes / ms / 1e6 / copy, "max_diff_vs_heuristic": err}
+            rows.append(row)
+            print(f"{shape.label} splits={row['splits']}{' (heuristic)' if splits is None else ''}: {ms * 1e3:.1f} us "
+                  f"{row['frac_of_copy']:.0%} of copy ({copy:.0f} GB/s) diff {err:.1e}", flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out")
     ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--skip-chunked", action="store_true")
     args = ap.parse_args(argv)
     dev = torch.device("cuda")
     try:
@@ -125,14 +167,16 @@ def main(argv=None) -> int:
     except Exception:
         fa4 = None
     rows = []
-    for b, sq, sk, page in CELLS[:3] if args.quick else CELLS:
+    ragged = ragged_sweep(dev)
+    for b, sq, sk, page in [] if args.skip_chunked else CELLS[:3] if args.quick else CELLS:
         row = cell(b, sq, sk, page, dev, fa4)
         rows.append(row)
         print(f"B={b} Sq={sq} Sk={sk} page={page}:", "  ".join(
             f"{n} {r['tflops']:.0f}TF ({r.get('vs_best_peer', 0):.2f}x) err {r['max_err']:.1e}" if "ms" in r
             else f"{n} [{r['error'][:60]}]" for n, r in row["impls"].items()), flush=True)
     if args.out:
-        Path(args.out).write_text(json.dumps({"card": torch.cuda.get_device_name(), "rows": rows}, indent=1))
+        Path(args.out).write_text(json.dumps({"card": torch.cuda.get_device_name(), "chunked": rows, "ragged_decode": ragged},
+                                             indent=1))
     return 0
 
 
