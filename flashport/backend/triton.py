@@ -104,12 +104,13 @@ class TritonBackend(dispatch.Backend):
     auto_devices = ("cuda",)
     state_family = "kernels"
     caps = Capabilities(devices=("cuda", "cpu"), max_head_dim=MAX_HEAD_DIM, min_capability=(8, 0),
-                        triton_versions=versions.TESTED_TRITON, mods=MODS, mod_grads=False,
+                        triton_versions=versions.TESTED_TRITON, mods=MODS, mod_grads=True,
                         notes=("cpu: only with TRITON_INTERPRET=1, and not bfloat16 there",
                                "KV cache: inference only, limits in kernels/decode.py",
                                "score_mod / mask_mod: compiled from their traced aten graph (kernels/mod_codegen.py); "
-                               "a mod outside its whitelist, or a captured tensor that requires grad in a "
-                               "differentiable call, is refused with the reason when the call runs",
+                               "a mod outside its whitelist is refused with the reason when the call runs",
+                               "gradients of tensors a score_mod captures: added by the dK/dV kernel with float32 "
+                               "atomics (refused with deterministic=True)",
                                "block_mask: its empty tiles are skipped (kernels/block_skip.py)"))
 
     # The Gluon kernels call these with hopper=True (backend/gluon.py).
@@ -202,9 +203,9 @@ def visible_mask(prog):
 
 def mod_reasons(spec: AttnSpec, prog) -> list[str]:
     """Why the kernels cannot serve a call's mods beyond what the declaration says (it cannot see the functions)."""
-    if spec.needs_grad and prog.captured:
-        return [f"score_mod reads {len(prog.captured)} tensor(s) that require grad; the Triton kernels do not "
-                "compute gradients into captured tensors yet (blockwise does)"]
+    if spec.needs_grad and prog.captured and spec.deterministic:
+        return [f"score_mod reads {len(prog.captured)} tensor(s) that require grad, and deterministic=True: the "
+                "kernels add those gradients with atomics (blockwise sums them in a fixed order)"]
     return []
 
 
@@ -220,7 +221,8 @@ def compiled_mods(spec: AttnSpec, inputs: AttnInputs):
         reasons = mod_reasons(spec, prog)
         if not reasons:
             from ..kernels.mod_codegen import compile_mods
-            got = compile_mods(prog.score_mod, visible_mask(prog), spec.device)
+            got = compile_mods(prog.score_mod, visible_mask(prog), spec.device,
+                               prog.captured if spec.needs_grad else ())
             reasons = [got] if isinstance(got, str) else []
             mods = None if reasons else got
         if reasons:

@@ -166,7 +166,7 @@ def _programmable(device, args, stem, t0, load0) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     n = len(programmable.cases(device, args.quick)) * len(impls)
     bar, tick = _progress(n, "programmable: flashport vs Flex")
-    entries = programmable.run_suite(device, args.quick, impls, tick)
+    entries = programmable.run_suite(device, args.quick, impls, tick, args.match)
     if bar is not None:
         bar.close()
     doc = report.document("programmable", device, entries, {}, time.perf_counter() - t0)

@@ -118,8 +118,8 @@ def implementation(impl: str, case: Case, q, k, v):
     bhsd = (lambda t: t.transpose(1, 2))   # noqa: E731
     if impl in ("flashport", "flashport-flex", "flashport-triton"):
         backend = {"flashport": None, "flashport-flex": "flex", "flashport-triton": "triton"}[impl]
-        if impl == "flashport-triton" and (case.table is not None or case.bias is not None):
-            raise NotServed("the Triton kernels compute no gradients into captured tensors and take no attn_bias yet")
+        if impl == "flashport-triton" and case.bias is not None:
+            raise NotServed("the Triton kernels take no attn_bias yet")
         bm = (None if case.mask_mod is None
               else flashport.create_block_mask(case.mask_mod, None, None, case.s, case.s, device=q.device))
         return lambda q, k, v: flashport.attention(q, k, v, score_mod=case.score_mod, block_mask=bm,
@@ -179,11 +179,16 @@ def _varlen(case: Case, fn):
     return run
 
 
-def run_suite(device, quick: bool, impls, tick=lambda: None) -> list[dict]:
+def run_suite(device, quick: bool, impls, tick=lambda: None, match: Optional[str] = None) -> list[dict]:
+    """match: a regular expression; only the cases whose label it finds run (--match)."""
+    import re
+
     from .gpu import _err, _status
     from .timing import gpu_ms, wall_s
     entries = []
     for case in cases(device, quick):
+        if match and not re.search(match, case.label()):
+            continue
         g = torch.Generator(device=device).manual_seed(0)
         q, k, v = (torch.randn(case.b, case.s, case.h, case.d, device=device, dtype=torch.bfloat16, generator=g)
                    .requires_grad_() for _ in range(3))

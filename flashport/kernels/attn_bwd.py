@@ -73,12 +73,14 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
                 BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, MASK: tl.constexpr,
                 HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
                 DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
-                MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr):
+                MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr, gcap=None, CAP_GRAD: tl.constexpr = None):
     """Accumulate dK, dV over Q tiles [lo, hi) of one query head; q_ptr / do_ptr at row lo, lse_ptr /
     delta_ptr at row 0; Q tiles in [full_lo, full_hi) need no mask (MASK == 2).  Works on transposed
     scores s^T [BLOCK_N, BLOCK_M].  dS carries softmax_scale, so dK needs no epilogue scaling.  Mods as in
     attn_fwd._fwd_tiles; SCORE_GRAD = d SCORE_MOD / d score chains dS through the score_mod.  BLOCK_SKIP as in
-    _fwd_tiles, over Q tiles."""
+    _fwd_tiles, over Q tiles.  CAP_GRAD (mod_codegen's cap_grad_fn): adds dY * d score_mod / d value into the
+    gradient buffers in `gcap` of the tensors the mod reads, dY = P * (dP - Delta) the gradient of the mod's output
+    (this kernel visits every visible pair once)."""
     offs_mb = tl.arange(0, BLOCK_M)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -101,6 +103,8 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
                                   SOFTCAP, ALIBI, PRECISION == "ieee")
             if SCORE_MOD is not None:   # natural units around the mod, as in the forward
                 g_t = SCORE_GRAD(s_t, b, h, offs_m[None, :], offs_n[:, None], mods)
+                if CAP_GRAD is not None:
+                    s_in_t = s_t
                 s_t = SCORE_MOD(s_t, b, h, offs_m[None, :], offs_n[:, None], mods) * LOG2E_K
             s_t = mask_scores(s_t, offs_m[None, :], offs_n[:, None], sk, diag, left, right,
                               (start_m < full_lo) | (start_m >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
@@ -115,6 +119,10 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
             else:
                 pz_t = p_t
             dv += tl.dot(pz_t.to(do.dtype), do, input_precision=PRECISION)
+            if CAP_GRAD is not None:
+                live_t = p_t != 0.0
+                CAP_GRAD(s_in_t, b, h, offs_m[None, :], offs_n[:, None], mods,
+                         tl.where(live_t, p_t * (dp_t - delta[None, :]), 0.0), live_t, gcap)
             # scale * P * (dP - Delta) with the scale inside one FMA: dS already holds d(score) / d(qk).
             ds_t = p_t * (dp_t * sm_scale - (delta * sm_scale)[None, :])
             if SCORE_MOD is not None:
@@ -138,7 +146,8 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
               BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
               DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
-              SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr):
+              SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+              gcap=None, CAP_GRAD: tl.constexpr = None):
     pid_n = tl.program_id(0)
     h = tl.program_id(1)  # query head; its K/V come from kv head h // G
     b = tl.program_id(2)
@@ -185,7 +194,7 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
             stride_dos, p_lo, p_hi, full_lo, full_hi, offs_n, sq, sk, diag, left, right, qk_scale, cap_in, cap_out,
             slope2, seed, rng_offset, bh, drop_threshold, drop_scale, sm_scale, b, h, mods, skip_base, skip_step, D, DV,
             BLOCK_M, BLOCK_D, BLOCK_DV, (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
-            DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, BLOCK_SKIP)
+            DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, BLOCK_SKIP, gcap, CAP_GRAD)
 
     row_mask = offs_n[:, None] < sk
     dk_ptr = DK + offset(b64, h64, row0, stride_dkb, stride_dkh, stride_dks, ALIGN)
@@ -304,7 +313,8 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
 def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng_state=None,
              dlse=None, configs=None, hopper=False, mods=None, block_mask=None):
     """Gradients (dq, dk, dv) shaped like q, k, v, given dO shaped like out and the forward's out and
-    lse2 (its log2-domain lse, see attn_fwd.forward).
+    lse2 (its log2-domain lse, see attn_fwd.forward), then the gradients of mods.grad_leaves (tensors the score_mod
+    reads) where the call needs them.
     dlse: optional gradient of the lse output (d lse / d s = P, so it folds into Delta: Delta - dlse).
     configs: optional {"bwd_dkdv": KernelConfig, "bwd_dq": KernelConfig} to force (autotuning).
     hopper: the gluon backend's call (attn_bwd_hopper, whose spec limits its supports() checked); these kernels
@@ -359,13 +369,18 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
         dv_out = alloc32((*v.shape[:-2], hq, v.shape[-1]), dtype=torch.float32, device=v.device)
         a.cover(dk_out, dv_out)
 
+    cap_bufs, cap_args = [], {}
+    if mods is not None and mods.cap_grad is not None:   # gradients of the tensors the score_mod reads
+        cap_bufs, gcap = mods.gcap()
+        cap_args = dict(gcap=gcap, CAP_GRAD=mods.cap_grad)
+
     def launch_dkdv(cfg):
         grid = (cdiv(spec.seqlen_k, cfg.block_n), hq, spec.batch)
         _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk_out, dv_out, a.slopes, a.cu_q, a.cu_k, a.rng,
                         *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk_out), *a.strides(dv_out),
                         *l_strides, *common, a.skip(cfg.block_m, cfg.block_n), BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCORE_GRAD=a.score_grad, num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages, **a.constexprs)
+                        num_stages=cfg.num_stages, **a.constexprs, **cap_args)
 
     def launch_dq(cfg):
         cfg = dq_config_with_mods(cfg, a)
@@ -380,7 +395,7 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     if expand:  # [..., Hq, D] -> [..., Hkv, G, D] summed over G (query head h belongs to kv head h // G)
         dk.copy_(dk_out.unflatten(-2, (hkv, spec.group_size)).sum(-2))
         dv.copy_(dv_out.unflatten(-2, (hkv, spec.group_size)).sum(-2))
-    return dq, dk, dv
+    return (dq, dk, dv, *(buf.to(t.dtype) for buf, t in zip(cap_bufs, mods.grad_leaves if cap_bufs else ())))
 
 
 def dq_config_with_mods(cfg, a: KernelArgs):

@@ -49,9 +49,10 @@ def _index_args(with_score: bool, device) -> tuple:
     return ((torch.zeros((1, 1, 1, 1), dtype=torch.float32, device=device),) if with_score else ()) + idx
 
 
-def _trace(fn: Callable, with_score: bool, device, grad: bool = False):
-    """make_fx graph of fn (or of d fn / d score when grad) on index tensors of the call's device (where its
-    captured tensors live), or Refused."""
+def _trace(fn: Callable, with_score: bool, device, grad=False):
+    """make_fx graph of fn (grad True: of d fn / d score; a tuple of captured tensors: of fn's gradients into them,
+    each an index_put of d fn / d value into zeros) on index tensors of the call's device (where its captured
+    tensors live), or Refused."""
     from torch.fx.experimental.proxy_tensor import make_fx
 
     def score_grad(score, b, h, q_idx, kv_idx):
@@ -61,9 +62,14 @@ def _trace(fn: Callable, with_score: bool, device, grad: bool = False):
             (g,) = torch.autograd.grad(y, (s,), torch.ones_like(y), allow_unused=True, materialize_grads=True)
         return g
 
-    target = score_grad if grad else fn
+    def cap_grads(score, b, h, q_idx, kv_idx):
+        with torch.enable_grad():
+            y = fn(score, b, h, q_idx, kv_idx)
+            return torch.autograd.grad(y, grad, torch.ones_like(y), allow_unused=True)
+
+    target = fn if grad is False else score_grad if grad is True else cap_grads
     try:
-        with torch.no_grad() if not grad else torch.enable_grad():
+        with torch.no_grad() if grad is False else torch.enable_grad():
             return make_fx(target, tracing_mode="real")(*_index_args(with_score, device))
     except RuntimeError as e:
         text = str(e)
@@ -89,6 +95,7 @@ class _Gen:
         self.dtypes: dict = {}         # node -> torch dtype (None for Python literals)
         self.tile: dict = {}           # node -> set of tile axes it varies along ("i", "j")
         self.names = names
+        self.buffers: dict = {}        # gradient graphs: node -> [(indices, values)] accumulated into zeros
 
     # -- operands
     def arg(self, a):
@@ -149,6 +156,25 @@ class _Gen:
         base = sum(1 + 2 * c.dim() for c in self.captured[:n])
         return base, t.dim()
 
+    def scatter(self, node) -> bool:
+        """A gradient graph's buffers (autograd's backward of indexing a captured tensor): new_zeros makes one,
+        index_put with accumulate adds (indices, values) to it, add joins two.  False for any other node."""
+        name = op_name(node)
+        buf = lambda a: hasattr(a, "op") and a in self.buffers  # noqa: E731
+        if name in ("new_zeros", "zeros"):
+            self.buffers[node] = []
+        elif name in ("index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put"):
+            base, indices, values = node.args[:3]
+            accumulate = node.args[3] if len(node.args) > 3 else node.kwargs.get("accumulate", False)
+            if not buf(base) or not accumulate:
+                raise Refused(f"aten.{name} on anything but a gradient buffer")
+            self.buffers[node] = self.buffers[base] + [(indices, values)]
+        elif name == "add" and buf(node.args[0]) and buf(node.args[1]):
+            self.buffers[node] = self.buffers[node.args[0]] + self.buffers[node.args[1]]
+        else:
+            return False
+        return True
+
     def constant(self, node) -> torch.Tensor:
         if node.op == "get_attr":
             return getattr(self.gm, node.target)
@@ -177,9 +203,12 @@ class _Gen:
                 continue             # others are read through aten.index
             if node.op != "call_function":
                 raise Refused(f"graph node {node.op} {node.target}")
-            translate(self, node)
+            if not self.scatter(node):
+                translate(self, node)
         (out,) = [n for n in self.gm.graph.nodes if n.op == "output"]
         res = out.args[0]
+        if self.buffers or (isinstance(res, (list, tuple)) and all(r is None for r in res)):
+            return tuple(res)   # a gradient graph: one buffer (or None) per captured tensor
         if isinstance(res, (list, tuple)):
             if len(res) != 1:
                 raise Refused("the mod returned several values")
@@ -220,6 +249,29 @@ def _generate(gm, captured: list, kind: str) -> str:
     if kind == "mask" and g.dtypes[res] != torch.bool:
         raise Refused(f"mask_mod returned {g.dtypes[res]}, not bool")
     return _source(g, res, kind)
+
+
+def _generate_cap_grad(gm, captured: list, leaves: tuple) -> str:
+    """cap_grad_fn(score, b, h, q_idx, kv_idx, cap, dy, live, gcap): for every pair where `live`, adds
+    dy * d score_mod / d value into each leaf's float32 gradient buffer at the element the mod read (atomics).
+    gcap holds per leaf its buffer's pointer and strides; the leaf's sizes (index clamping) come from cap."""
+    gm.graph.eliminate_dead_code()
+    g = _Gen(gm, captured, ("score", "b", "h", "q_idx", "kv_idx"))
+    outs = g.run()
+    if len(outs) != len(leaves):
+        raise Refused(f"expected {len(leaves)} gradients, traced {len(outs)}")
+    lines, gbase = list(g.lines), 0
+    for leaf, out in zip(leaves, outs):
+        rank = leaf.dim()
+        for indices, values in [] if out is None else g.buffers[out]:
+            cbase, _ = g.slot(leaf)
+            terms = " + ".join(f"clamp_index({g.arg(ix)}, cap[{cbase + 1 + rank + d}]) * gcap[{gbase + 1 + d}]"
+                               for d, ix in enumerate(indices))
+            lines.append(f"    tl.atomic_add(gcap[{gbase}] + ({terms}) + tl.zeros(dy.shape, tl.int32), "
+                         f"{g.cast(values, torch.float32)} * dy, mask=live)")
+        gbase += 1 + rank
+    body = "\n".join(lines) or "    pass"
+    return f"@triton.jit\ndef cap_grad_fn(score, b, h, q_idx, kv_idx, cap, dy, live, gcap):\n{body}\n"
 
 
 # ----------------------------------------------------------------------------- loading the generated source
@@ -271,6 +323,13 @@ class CompiledMods:
     score_grad: Optional[Callable] = None
     mask: Optional[Callable] = None
     captured: tuple = ()
+    cap_grad: Optional[Callable] = None   # the captured tensors' gradients (cap_grad_fn), None when none is needed
+    grad_leaves: tuple = ()               # the tensors cap_grad differentiates, in the call's `captured` order
+
+    def gcap(self) -> tuple:
+        """Zeroed float32 gradient buffers of grad_leaves and the kernels' `gcap` argument (pointer, strides each)."""
+        bufs = [torch.zeros(t.shape, dtype=torch.float32, device=t.device) for t in self.grad_leaves]
+        return bufs, tuple(x for buf in bufs for x in (buf, *buf.stride()))
 
     def cap(self) -> Optional[tuple]:
         """The kernels' `cap` argument: per captured tensor its pointer, strides and sizes (None: nothing)."""
@@ -322,7 +381,7 @@ def _same(a: tuple, b: tuple) -> bool:
     return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
-def _compile(score_mod, mask_mod, device) -> Union[CompiledMods, str]:
+def _compile(score_mod, mask_mod, device, grads_for: tuple = ()) -> Union[CompiledMods, str]:
     captured: list = []
     out = {}
     for kind, fn in (("score", score_mod), ("mask", mask_mod)):
@@ -334,6 +393,10 @@ def _compile(score_mod, mask_mod, device) -> Union[CompiledMods, str]:
                 out["score"] = load(_generate(_trace(fn, True, device), captured, "score"), "score")
                 grad = _trace(fn, True, device, grad=True)
                 out["score_grad"] = load(_generate(grad, captured, "score"), "score")
+                if grads_for:
+                    gm = _trace(fn, True, device, grad=tuple(grads_for))
+                    out["cap_grad"] = load(_generate_cap_grad(gm, captured, tuple(grads_for)), "cap_grad")
+                    out["grad_leaves"] = tuple(grads_for)
             else:
                 out["mask"] = load(_generate(_trace(fn, False, device), captured, "mask"), "mask")
         except Refused as e:
@@ -344,19 +407,21 @@ def _compile(score_mod, mask_mod, device) -> Union[CompiledMods, str]:
     return CompiledMods(captured=tuple(captured), **out)
 
 
-def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable], device) -> Union[CompiledMods, str]:
+def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable], device,
+                 grads_for: tuple = ()) -> Union[CompiledMods, str]:
     """CompiledMods of a call's mods on `device`, or the reason (naming the mod) why they are not compiled.
-    Memoised per pair of mod objects while what they close over is the same (see _fingerprint)."""
+    grads_for: tensors score_mod captures whose gradients the backward computes (cap_grad).  Memoised per pair of
+    mod objects and those tensors while what the mods close over is the same (see _fingerprint)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
-    key = (id(score_mod), id(mask_mod), device)
+    key = (id(score_mod), id(mask_mod), device, tuple(map(id, grads_for)))
     fps = (_fingerprint(score_mod), _fingerprint(mask_mod))
     hit = _memo.get(key)
     if hit is not None and hit[0] is score_mod and hit[1] is mask_mod and all(map(_same, hit[2], fps)):
         _memo.move_to_end(key)
         return hit[3]
-    result = _compile(score_mod, mask_mod, device)
+    result = _compile(score_mod, mask_mod, device, grads_for)
     _memo[key] = (score_mod, mask_mod, fps, result)
     while len(_memo) > MEMO_SIZE:
         _memo.popitem(last=False)

@@ -196,13 +196,60 @@ def test_live_tiles_mark_every_kernel_tile_that_overlaps_a_non_empty_block(block
                 assert bool(got[0, h, t, u]) == bool(want), (h, t, u)
 
 
-def test_captured_tensors_that_require_grad_are_refused():
+def _scaled_rel(table, scale):
+    """Two captured tensors, one multiplying the score (a derivative other than 1) and one added."""
+    rel = mods.relative_position(table)
+    return lambda s, b, h, i, j: rel(s * scale[h], b, h, i, j)
+
+
+# Calls whose captured tensors require grad: kw(table, scale) -> the call's keywords
+GRAD_CASES = {
+    "rel-table+causal": lambda t, c: dict(score_mod=mods.relative_position(t), causal=True),
+    "empty-rows+rel-table": lambda t, c: dict(mask_mod=lambda b, h, i, j: (i >= 20) & (j <= i + h % 2),
+                                              score_mod=mods.relative_position(t)),
+    "builtins+two-tables": lambda t, c: dict(score_mod=_scaled_rel(t, c), mask_mod=mods.document(DOCS), softcap=4.0,
+                                             alibi_slopes=SLOPES, window_size=(9, 2)),
+    "block-mask+rel-table": lambda t, c: dict(block_mask=flashport.create_block_mask(
+        mods.sliding_window(6, sinks=2), None, None, S, S, block_size=8), score_mod=mods.relative_position(t)),
+}
+SCALE = torch.rand(HQ, generator=_g) + 0.5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("name", list(GRAD_CASES))
+def test_gradients_into_captured_tensors(name, dtype):
+    """The dK/dV kernel adds each captured tensor's gradient (atomics): within the rule against float64, where the
+    tables' gradients are judged like dq / dk / dv (the math path runs the same mods in the inputs' dtype)."""
+    q, k, v, do = _inputs(dtype)
+    leaves = (TABLE.clone().requires_grad_(), SCALE.clone().requires_grad_())
+    leaves64 = tuple(t.detach().double().requires_grad_() for t in leaves)
+    kw, kw64 = GRAD_CASES[name](*leaves), GRAD_CASES[name](*leaves64)
+    out = flashport.attention(q, k, v, backend="triton", **kw)
+    q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
+    ref = flashport.attention(q64, k64, v64, backend="reference", **kw64)
+    prog = build(kw.get("score_mod"), kw.get("mask_mod"), kw.get("block_mask"), None, batch=B, heads_q=HQ, sq=S,
+                 sk=S, device="cpu")
+    used = [n for n, t in enumerate(leaves) if any(t is c for c in prog.captured)]
+    assert used, "the case reads no table"
+    low, _ = _math_path(q, k, v, kw, dtype)
+    got = torch.autograd.grad(out, (q, k, v, *(leaves[n] for n in used)), do)
+    want = torch.autograd.grad(ref, (q64, k64, v64, *(leaves64[n] for n in used)), do.double())
+    math = torch.autograd.grad(low, (q, k, v, *(leaves[n] for n in used)), do)
+    mag = magnitude(q, k, v, do)
+    for n, (a, b, m) in enumerate(zip(got, want, math)):
+        err, bound = rule_error(a, b, m, dtype, 3.0, mag)
+        assert err <= bound, (("dq", "dk", "dv", "dtable", "dscale")[min(n, 4)], err, bound)
+        assert a.dtype == (q.dtype if n < 3 else torch.float32)
+
+
+def test_captured_gradients_are_refused_with_deterministic():
     q, k, v, _ = _inputs(torch.float32)
     table = TABLE.clone().requires_grad_()
-    with pytest.raises(flashport.UnsupportedError, match="require grad"):
-        flashport.attention(q, k, v, backend="triton", score_mod=mods.relative_position(table))
-    with torch.no_grad():   # inference needs no gradient into the table: served
-        out = flashport.attention(q, k, v, backend="triton", score_mod=mods.relative_position(table))
+    with pytest.raises(flashport.UnsupportedError, match="atomics"):
+        flashport.attention(q, k, v, backend="triton", score_mod=mods.relative_position(table), deterministic=True)
+    with torch.no_grad():   # inference needs no gradient into the table: served, deterministic or not
+        out = flashport.attention(q, k, v, backend="triton", score_mod=mods.relative_position(table),
+                                  deterministic=True)
         ref = flashport.attention(q, k, v, backend="reference", score_mod=mods.relative_position(table))
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 

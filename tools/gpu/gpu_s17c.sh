@@ -4,6 +4,8 @@
 # checked), the GPU tier's KV-cache, Triton and operability tests, the fuzz tier on triton with the new kvcache
 # query lengths, and the host time per eager call with the launch-plan cache (tools/gpu/host_stages.py); the probe
 # also sweeps the decode kernel's split count on ragged and uniform lengths (issue [8]'s ragged paged decode).
+# Issue [15]: the learnable relative-position table with its gradient on the Triton kernels (atomics) against Flex,
+# and the mods fuzz tier on triton (captured tables with gradients now served).
 set -uo pipefail
 cd "$(dirname "$0")/../.."
 R=/tmp/s17_c; rm -rf "$R"; mkdir -p "$R"
@@ -16,6 +18,13 @@ fi
 timeout ${PROBE_SECONDS:-180} python tools/gpu/kvcache_probe.py --out "$R/kvcache.json" 2>&1 \
   | grep -v "Warning\|warn" > "$R/kvcache.log"
 echo "kvcache probe rc=${PIPESTATUS[0]}"; cat "$R/kvcache.log" | cut -c1-400
+mkdir -p "$R/programmable"
+timeout ${PROG_SECONDS:-100} python -m flashport bench --suite programmable --match "rel-table" \
+  --peers flashport-triton,flashport,flex --out "$R/programmable" > "$R/programmable/bench.log" 2>&1
+echo "programmable rel-table rc=$?"; grep -v "Warning\|warn\|run/s" "$R/programmable/bench.log" | tail -8
+timeout ${MODS_SECONDS:-60} python -m flashport.fuzz.mods --n 100 --backend triton --device cuda \
+  > "$R/fuzz_mods_triton.log" 2>&1
+echo "mods fuzz rc=$?"; tail -8 "$R/fuzz_mods_triton.log"
 timeout ${FUZZ_SECONDS:-110} python -m flashport.fuzz --backend triton --device cuda --entries kvcache \
   --n ${FUZZ_N:-600} --size full --dtype bfloat16,float16 --max-seconds $(( ${FUZZ_SECONDS:-110} - 15 )) \
   --log "$R/fuzz_kvcache.jsonl" > "$R/fuzz_kvcache.log" 2>&1
