@@ -42,13 +42,14 @@ def test_the_fuzzer_catches_a_wrong_bias_gradient(monkeypatch):
 
 
 def test_a_backend_is_fuzzed_on_the_features_it_declares():
-    """triton compiles score_mod / mask_mod and block masks but takes no attn_bias or captured-table gradient: its
-    cases turn those off (else most cases would SKIP); blockwise declares all and keeps every drawn case."""
+    """triton compiles score_mod / mask_mod, block masks and captured-table gradients but takes no attn_bias: its
+    cases turn attn_bias off (else those cases would SKIP); sdpa-cpu computes no table gradient; blockwise declares
+    all and keeps every drawn case."""
     cases = [fuzz_mods.draw(SEED, i) for i in range(40)]
     assert any(c["bias"] != "none" for c in cases) and any(c["grad_table"] for c in cases)
     for c in cases:
         t = fuzz_mods.served(c, "triton")
-        assert t["bias"] == "none" and not t["grad_table"]
-        assert {k: v for k, v in t.items() if k not in ("bias", "grad_table")} == \
-            {k: v for k, v in c.items() if k not in ("bias", "grad_table")}
+        assert t["bias"] == "none" and t["grad_table"] == c["grad_table"]
+        assert {k: v for k, v in t.items() if k != "bias"} == {k: v for k, v in c.items() if k != "bias"}
+        assert not fuzz_mods.served(c, "sdpa-cpu")["grad_table"]
         assert fuzz_mods.served(c, "blockwise") == c

@@ -223,7 +223,8 @@ class LaunchPlan:
 @functools.lru_cache(maxsize=512)
 def launch_plan(spec, sms: int, smem: int, interpreter: bool, tf32: bool, num_splits=None, block_m=None,
                 block_n=None, num_stages=None, waves: int = splitkv.WAVES, min_tiles: int = 2,
-                tile_page_lookup: bool = True, num_warps=None, pdl: bool = False) -> LaunchPlan | None:
+                tile_page_lookup: bool = True, num_warps=None, pdl: bool = False,
+                max_keys: int = splitkv.MAX_KEYS_PER_SPLIT) -> LaunchPlan | None:
     """Tiles, split count and constexprs for `spec` (None: no tile configuration fits `smem`).
 
     A pure function of its arguments, memoised: the per-call host work of a decode step is then the
@@ -234,8 +235,12 @@ def launch_plan(spec, sms: int, smem: int, interpreter: bool, tf32: bool, num_sp
         return None
     m_blocks = triton.cdiv(spec.seqlen_q * spec.group_size, cfg.BLOCK_M)
     if num_splits is None:
-        num_splits = choose_num_splits(spec.batch * spec.heads_kv * m_blocks, triton.cdiv(spec.seqlen_k, cfg.BLOCK_N),
-                                       sms, min_tiles=min_tiles, waves=waves)
+        n_tiles = triton.cdiv(spec.seqlen_k, cfg.BLOCK_N)
+        num_splits = choose_num_splits(spec.batch * spec.heads_kv * m_blocks, n_tiles, sms, min_tiles=min_tiles,
+                                       waves=waves)
+        if spec.paged:   # and no split longer than max_keys (ragged batches: splitkv.MAX_KEYS_PER_SPLIT; measured paged)
+            num_splits = max(num_splits, min(splitkv.MAX_SPLITS, n_tiles // max(1, min_tiles),
+                                             triton.cdiv(spec.seqlen_k, max_keys)))
     softcap = spec.softcap
     pdl = pdl and 1 < num_splits <= PDL_MAX_SPLITS     # only with a merge, and where it measured faster
     tile_in_page = bool(spec.paged and tile_page_lookup and spec.page_block_size % cfg.BLOCK_N == 0)
@@ -262,7 +267,8 @@ def plan_for(spec, device: torch.device, *, num_splits=None, block_m=None, block
                        block_n, num_stages, splitkv.waves_for(spec.paged),
                        1 if interp else splitkv.MIN_TILES_PER_SPLIT,
                        TILE_PAGE_LOOKUP, num_warps,
-                       PDL and device.type == "cuda" and not interp and device_facts(device)[2] >= (9, 0))
+                       PDL and device.type == "cuda" and not interp and device_facts(device)[2] >= (9, 0),
+                       splitkv.MAX_KEYS_PER_SPLIT)
 
 
 def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: int | None = None,

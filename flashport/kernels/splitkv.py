@@ -24,6 +24,11 @@ INTERPRETER_SMS = 2          # a tiny "GPU" so the interpreter tests exercise sp
 WAVES = 4           # paged caches
 WAVES_DENSE = 1
 MIN_TILES_PER_SPLIT = 2      # on a GPU each split streams at least this many BLOCK_N tiles
+# A split of a paged cache streams at most this many keys of the capacity.  The lengths live on the device, so the
+# host cannot tell ragged batches from uniform ones: bounding every program's keys bounds the longest one, which a
+# ragged batch waits for (H200, 64 sequences of 1-16k tokens, pages of 16: 1 split 62% of the copy rate, 8 splits
+# 89%; 64 x 4096 uniform: 1 split 94%, 2 splits 92%; PERFLOG row 57).  Dense caches were not measured: the heuristic.
+MAX_KEYS_PER_SPLIT = 2048
 
 
 def waves_for(paged: bool) -> int:

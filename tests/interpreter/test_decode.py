@@ -269,8 +269,8 @@ def test_many_queries_take_the_prefill_kernel(monkeypatch):
         real = getattr(mod, name)
         monkeypatch.setattr(mod, name, lambda *a, real=real, name=name, **kw: ran.append(name) or real(*a, **kw))
     n = tb.PREFILL_MIN_Q
-    check(KV(lens=(0, 40), cap=96, page=16, sq=n, s_new=n, hkv=2, num_splits=None), via_api=True)
-    check(KV(lens=(0, 40), cap=96, page=16, sq=n - 1, s_new=n - 1, hkv=2, num_splits=None), via_api=True)
+    check(KV(lens=(0, 40), cap=n + 64, page=16, sq=n, s_new=n, hkv=2, num_splits=None), via_api=True)
+    check(KV(lens=(0, 40), cap=n + 64, page=16, sq=n - 1, s_new=n - 1, hkv=2, num_splits=None), via_api=True)
     assert ran == ["kvcache_forward", "kvcache_attention"]
 
 
@@ -450,6 +450,30 @@ def test_split_heuristic_waves_and_stage_override():
     assert choose_config(4, 128, 128, 2, 227 * 1024, interpreter=False, num_stages=5).num_stages == 5
     assert choose_config(4, 128, 128, 2, 40 * 1024, interpreter=False, num_stages=5) is None
     assert choose_config(4, 128, 128, 2, 40 * 1024, interpreter=False).num_stages < 3
+
+
+def test_paged_splits_stream_at_most_max_keys():
+    """A paged cache's splits cover at most MAX_KEYS_PER_SPLIT keys of the capacity (the longest program of a ragged
+    batch bounds the call); a dense cache and a forced split count keep their own answer."""
+    from flashport.kernels import decode, splitkv
+
+    def splits(b, sk, page, **kw):
+        q = torch.zeros(b, 1, 64, 128, dtype=torch.bfloat16, device="meta")
+        if page:
+            kc = torch.zeros(b * sk // page, page, 8, 128, dtype=torch.bfloat16, device="meta")
+            bt = torch.zeros(b, sk // page, dtype=torch.int32, device="meta")
+        else:
+            kc, bt = torch.zeros(b, sk, 8, 128, dtype=torch.bfloat16, device="meta"), None
+        spec, _, _ = kvcache_spec(q, kc, kc, None, None, cache_seqlens=None, block_table=bt, causal=False,
+                                  softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                                  return_lse=False)
+        return decode.launch_plan(spec, 132, 232448, False, False, waves=splitkv.waves_for(bool(page)), min_tiles=2,
+                                  **kw).num_splits
+
+    assert splits(64, 16384, 16, max_keys=1 << 30) == 1
+    assert splits(64, 16384, 16) == 16384 // splitkv.MAX_KEYS_PER_SPLIT
+    assert splits(64, 16384, 16, num_splits=3) == 3
+    assert splits(64, 16384, 0) == splits(64, 16384, 0, max_keys=1 << 30)
 
 
 def test_pdl_only_where_it_measured_faster():
