@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import weakref
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -19,9 +20,9 @@ from ..kernels import versions
 from ..kernels.versions import is_tested, tested_text
 from ..spec import AttnInputs, AttnSpec
 
-# Programmable features the kernels serve: mods compiled by kernels/mod_codegen.py, block masks' empty tiles skipped
-# (kernels/block_skip.py); attn_bias is not served yet.
-MODS = ("score_mod", "mask_mod", "block_mask")
+# Programmable features the kernels serve: mods compiled by kernels/mod_codegen.py (attn_bias as a read the compiled
+# score function adds, see score_function), block masks' empty tiles skipped (kernels/block_skip.py).
+MODS = ("score_mod", "mask_mod", "block_mask", "attn_bias")
 
 MAX_HEAD_DIM = 256
 MAX_GRID_YZ = 65535  # CUDA grid limit for the head and batch dimensions
@@ -110,8 +111,9 @@ class TritonBackend(dispatch.Backend):
                                "KV cache: inference only, limits in kernels/decode.py",
                                "score_mod / mask_mod: compiled from their traced aten graph (kernels/mod_codegen.py); "
                                "a mod outside its whitelist is refused with the reason when the call runs",
-                               "gradients of tensors a score_mod captures: added by the dK/dV kernel with float32 "
-                               "atomics (refused with deterministic=True)",
+                               "attn_bias: read by the compiled score function after score_mod",
+                               "gradients of tensors a score_mod captures and of attn_bias: added by the dK/dV kernel "
+                               "with float32 atomics (refused with deterministic=True)",
                                "block_mask: its empty tiles are skipped (kernels/block_skip.py)"))
 
     # The Gluon kernels call these with hopper=True (backend/gluon.py).
@@ -173,10 +175,14 @@ class TritonBackend(dispatch.Backend):
         from ..kernels.common import device_guard
         mods = compiled_mods(spec, inputs)
         with device_guard(saved.q.device):
-            return attn_bwd.backward(spec, dout, saved.q, saved.k, saved.v, saved.out, lse2_of(saved), dlse=dlse,
-                                     alibi=inputs.alibi_slopes, cu_seqlens_q=inputs.cu_seqlens_q,
-                                     cu_seqlens_k=inputs.cu_seqlens_k, rng_state=inputs.rng_state,
-                                     hopper=self.hopper, mods=mods, block_mask=_block_mask(inputs))
+            grads = attn_bwd.backward(spec, dout, saved.q, saved.k, saved.v, saved.out, lse2_of(saved), dlse=dlse,
+                                      alibi=inputs.alibi_slopes, cu_seqlens_q=inputs.cu_seqlens_q,
+                                      cu_seqlens_k=inputs.cu_seqlens_k, rng_state=inputs.rng_state,
+                                      hopper=self.hopper, mods=mods, block_mask=_block_mask(inputs))
+        bias = None if inputs.prog is None else inputs.prog.attn_bias
+        if bias is not None and bias.requires_grad and len(grads) > 3:   # its 4-d view's gradient, in its own shape
+            grads = (*grads[:3], grads[3].reshape(bias.shape), *grads[4:])
+        return grads
 
 
 def _block_mask(inputs: AttnInputs):
@@ -204,10 +210,39 @@ def visible_mask(prog):
 
 def mod_reasons(spec: AttnSpec, prog) -> list[str]:
     """Why the kernels cannot serve a call's mods beyond what the declaration says (it cannot see the functions)."""
-    if spec.needs_grad and prog.captured and spec.deterministic:
-        return [f"score_mod reads {len(prog.captured)} tensor(s) that require grad, and deterministic=True: the "
+    if spec.needs_grad and prog.differentiable and spec.deterministic:
+        return [f"{len(prog.differentiable)} captured tensor(s) / attn_bias require grad, and deterministic=True: the "
                 "kernels add those gradients with atomics (blockwise sums them in a fixed order)"]
     return []
+
+
+# attn_bias tensor id -> (attn_bias, score_mod, the score function, the bias as a 4-d view): one function object per
+# pair, so that compile_mods' memo hits for a bias passed again (a learnable bias, a cached mask).  Bounded.
+_BIASED: "OrderedDict" = OrderedDict()
+BIASED_SIZE = 16
+
+
+def score_function(prog):
+    """(the score function the kernels compile, the attn_bias view it reads or None): score_mod, then + attn_bias at
+    (b, h, q_idx, kv_idx), a size-1 dimension read at 0 (flashport/programmable.py's pipeline and broadcasting)."""
+    bias, sm = prog.attn_bias, prog.score_mod
+    if bias is None:
+        return sm, None
+    hit = _BIASED.get(id(bias))
+    if hit is None or hit[0] is not bias or hit[1] is not sm:
+        with torch.enable_grad():   # a view made under no_grad (an autograd Function's forward) is cut from bias
+            bias4 = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+
+        def biased(score, b, h, q_idx, kv_idx):
+            s = score if sm is None else sm(score, b, h, q_idx, kv_idx)
+            idx = tuple(x if n > 1 else x * 0 for x, n in zip((b, h, q_idx, kv_idx), bias4.shape))
+            return s + bias4[idx].to(s.dtype)
+
+        hit = _BIASED[id(bias)] = (bias, sm, biased, bias4)
+        while len(_BIASED) > BIASED_SIZE:
+            _BIASED.popitem(last=False)
+    _BIASED.move_to_end(id(bias))
+    return hit[2], hit[3]
 
 
 def compiled_mods(spec: AttnSpec, inputs: AttnInputs):
@@ -215,15 +250,17 @@ def compiled_mods(spec: AttnSpec, inputs: AttnInputs):
     UnsupportedError with the reason where the kernels cannot serve them: dispatch chooses from the spec, which
     holds the features' names but not the functions, so a mod is judged here, before any kernel runs."""
     prog = inputs.prog
-    if prog is None or (prog.score_mod is None and prog.mask_mod is None and prog.block_mask is None):
+    if prog is None:
         return None
     mods = inputs.extra.get("triton_mods")     # the forward's, reused by the backward of the same call
     if mods is None:
         reasons = mod_reasons(spec, prog)
         if not reasons:
             from ..kernels.mod_codegen import compile_mods
-            got = compile_mods(prog.score_mod, visible_mask(prog), spec.device,
-                               prog.captured if spec.needs_grad else ())
+            score, bias4 = score_function(prog)
+            # gradients in prog.differentiable's order: attn_bias (as its 4-d view), then the captured tensors
+            grads = ((bias4,) if bias4 is not None and bias4.requires_grad else ()) + prog.captured
+            got = compile_mods(score, visible_mask(prog), spec.device, grads if spec.needs_grad else ())
             reasons = [got] if isinstance(got, str) else []
             mods = None if reasons else got
         if reasons:

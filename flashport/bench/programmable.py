@@ -118,8 +118,6 @@ def implementation(impl: str, case: Case, q, k, v):
     bhsd = (lambda t: t.transpose(1, 2))   # noqa: E731
     if impl in ("flashport", "flashport-flex", "flashport-triton"):
         backend = {"flashport": None, "flashport-flex": "flex", "flashport-triton": "triton"}[impl]
-        if impl == "flashport-triton" and case.bias is not None:
-            raise NotServed("the Triton kernels take no attn_bias yet")
         bm = (None if case.mask_mod is None
               else flashport.create_block_mask(case.mask_mod, None, None, case.s, case.s, device=q.device))
         return lambda q, k, v: flashport.attention(q, k, v, score_mod=case.score_mod, block_mask=bm,

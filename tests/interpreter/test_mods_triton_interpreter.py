@@ -67,8 +67,8 @@ def _inputs(dtype, b=B, s=S, seed=0):
 
 def _math_path(q, k, v, kw, dtype):
     """The same-dtype materialised math path of the tolerance rule, with the same mods."""
-    prog = build(kw.get("score_mod"), kw.get("mask_mod"), kw.get("block_mask"), None, batch=B, heads_q=HQ, sq=S, sk=S,
-                 device="cpu")
+    prog = build(kw.get("score_mod"), kw.get("mask_mod"), kw.get("block_mask"), kw.get("attn_bias"), batch=B,
+                 heads_q=HQ, sq=S, sk=S, device="cpu")
     left, right = kw.get("window_size", (-1, -1))
     slopes = kw.get("alibi_slopes")
     return materialized_attention(q, k, v, scale=D ** -0.5, softcap=kw.get("softcap", 0.0),
@@ -202,17 +202,23 @@ def _scaled_rel(table, scale):
     return lambda s, b, h, i, j: rel(s * scale[h], b, h, i, j)
 
 
-# Calls whose captured tensors require grad: kw(table, scale) -> the call's keywords
+# Calls whose captured tensors or attn_bias require grad: kw(table, scale, bias, key_bias) -> the call's keywords
 GRAD_CASES = {
-    "rel-table+causal": lambda t, c: dict(score_mod=mods.relative_position(t), causal=True),
-    "empty-rows+rel-table": lambda t, c: dict(mask_mod=lambda b, h, i, j: (i >= 20) & (j <= i + h % 2),
-                                              score_mod=mods.relative_position(t)),
-    "builtins+two-tables": lambda t, c: dict(score_mod=_scaled_rel(t, c), mask_mod=mods.document(DOCS), softcap=4.0,
-                                             alibi_slopes=SLOPES, window_size=(9, 2)),
-    "block-mask+rel-table": lambda t, c: dict(block_mask=flashport.create_block_mask(
+    "rel-table+causal": lambda t, c, *_: dict(score_mod=mods.relative_position(t), causal=True),
+    "empty-rows+rel-table": lambda t, c, *_: dict(mask_mod=lambda b, h, i, j: (i >= 20) & (j <= i + h % 2),
+                                                  score_mod=mods.relative_position(t)),
+    "builtins+two-tables": lambda t, c, *_: dict(score_mod=_scaled_rel(t, c), mask_mod=mods.document(DOCS),
+                                                 softcap=4.0, alibi_slopes=SLOPES, window_size=(9, 2)),
+    "block-mask+rel-table": lambda t, c, *_: dict(block_mask=flashport.create_block_mask(
         mods.sliding_window(6, sinks=2), None, None, S, S, block_size=8), score_mod=mods.relative_position(t)),
+    # attn_bias: a full [B, Hq, S, S] one after a score_mod, and one broadcast over batch, heads and queries
+    "bias+rel-table+causal": lambda t, c, bias, kb: dict(score_mod=mods.relative_position(t), attn_bias=bias,
+                                                         causal=True),
+    "key-bias+document": lambda t, c, bias, kb: dict(attn_bias=kb, mask_mod=mods.document(DOCS)),
 }
 SCALE = torch.rand(HQ, generator=_g) + 0.5
+BIAS = torch.randn(B, HQ, S, S, generator=_g)
+KEY_BIAS = torch.randn(S, generator=_g)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -221,15 +227,15 @@ def test_gradients_into_captured_tensors(name, dtype):
     """The dK/dV kernel adds each captured tensor's gradient (atomics): within the rule against float64, where the
     tables' gradients are judged like dq / dk / dv (the math path runs the same mods in the inputs' dtype)."""
     q, k, v, do = _inputs(dtype)
-    leaves = (TABLE.clone().requires_grad_(), SCALE.clone().requires_grad_())
+    leaves = tuple(t.clone().requires_grad_() for t in (TABLE, SCALE, BIAS, KEY_BIAS))
     leaves64 = tuple(t.detach().double().requires_grad_() for t in leaves)
     kw, kw64 = GRAD_CASES[name](*leaves), GRAD_CASES[name](*leaves64)
     out = flashport.attention(q, k, v, backend="triton", **kw)
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     ref = flashport.attention(q64, k64, v64, backend="reference", **kw64)
-    prog = build(kw.get("score_mod"), kw.get("mask_mod"), kw.get("block_mask"), None, batch=B, heads_q=HQ, sq=S,
-                 sk=S, device="cpu")
-    used = [n for n, t in enumerate(leaves) if any(t is c for c in prog.captured)]
+    prog = build(kw.get("score_mod"), kw.get("mask_mod"), kw.get("block_mask"), kw.get("attn_bias"), batch=B,
+                 heads_q=HQ, sq=S, sk=S, device="cpu")
+    used = [n for n, t in enumerate(leaves) if any(t is c for c in prog.differentiable)]
     assert used, "the case reads no table"
     low, _ = _math_path(q, k, v, kw, dtype)
     got = torch.autograd.grad(out, (q, k, v, *(leaves[n] for n in used)), do)
@@ -238,8 +244,9 @@ def test_gradients_into_captured_tensors(name, dtype):
     mag = magnitude(q, k, v, do)
     for n, (a, b, m) in enumerate(zip(got, want, math)):
         err, bound = rule_error(a, b, m, dtype, 3.0, mag)
-        assert err <= bound, (("dq", "dk", "dv", "dtable", "dscale")[min(n, 4)], err, bound)
-        assert a.dtype == (q.dtype if n < 3 else torch.float32)
+        assert err <= bound, (("dq", "dk", "dv")[n] if n < 3 else ("dtable", "dscale", "dbias", "dkey_bias")[used[n - 3]],
+                              err, bound)
+        assert a.dtype == (q.dtype if n < 3 else torch.float32) and a.shape == (got[n].shape)
 
 
 def test_captured_gradients_are_refused_with_deterministic():

@@ -150,7 +150,7 @@ def ragged_sweep(dev, shapes=None, splits_list=(None, 1, 2, 4, 8, 16, 32, 64)) -
             row = {"label": shape.label(), "splits": splits or heuristic, "heuristic": splits is None, "graph_ms": ms,
                    "gbps": nbytes / ms / 1e6, "frac_of_copy": nbytes / ms / 1e6 / copy, "max_diff_vs_heuristic": err}
             rows.append(row)
-            print(f"{shape.label} splits={row['splits']}{' (heuristic)' if splits is None else ''}: {ms * 1e3:.1f} us "
+            print(f"{row['label']} splits={row['splits']}{' (heuristic)' if splits is None else ''}: {ms * 1e3:.1f} us "
                   f"{row['frac_of_copy']:.0%} of copy ({copy:.0f} GB/s) diff {err:.1e}", flush=True)
     return rows
 
