@@ -1,5 +1,7 @@
 """The launch-plan cache (flashport/plan_cache.py): a repeated call skips validation and selection, and nothing a
 description leaves out can change what a call does or which errors it raises."""
+import random
+
 import pytest
 import torch
 
@@ -141,3 +143,45 @@ def test_uncached_calls_and_the_bound(monkeypatch):
     for s in range(1, 11):
         flashport.attention(*_qkv(s=s))
         assert len(plan_cache._cache) <= 4
+
+
+def _random_call(rng):
+    """(q, k, v), keywords, whether gradients are taken: one random call over the dense contract (rng: random.Random)."""
+    b, hkv = rng.choice((1, 2)), rng.choice((1, 2))
+    sq, sk = rng.choice((1, 5, 17, 33)), rng.choice((1, 5, 17, 33))
+    d = rng.choice((8, 16, 40))
+    dtype = rng.choice((torch.float32, torch.float64, torch.float16, torch.bfloat16))
+    causal = rng.random() < 0.4
+    window = (rng.choice((-1, 0, 3, 9)), -1 if causal else rng.choice((-1, 0, 4)))
+    kw = dict(causal=causal, window_size=window, softcap=rng.choice((0.0, 0.0, 5.0)),
+              softmax_scale=rng.choice((None, 0.3, 1)), return_lse=rng.random() < 0.5)
+    g = torch.Generator().manual_seed(rng.randrange(2 ** 31))
+    shapes = ((b, sq, hkv * rng.choice((1, 2)), d), (b, sk, hkv, d), (b, sk, hkv, d))
+    qkv = [torch.randn(s, generator=g).to(dtype) for s in shapes]
+    if rng.random() < 0.3:   # a strided head dimension
+        qkv[1] = torch.stack([qkv[1], qkv[1]], -1)[..., 0]
+    return qkv, kw, rng.random() < 0.5
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_a_hit_gives_what_a_miss_gives_over_random_calls(seed):
+    """Random calls over the dense contract (shapes, GQA, masks, softcap, scale, dtypes, strides, lse, grads): the
+    second call (a hit) returns bit for bit what the first (a miss) and an uncached call return, gradients included."""
+    qkv, kw, grad = _random_call(random.Random(seed))
+
+    def call():
+        xs = [x.detach().clone().requires_grad_(grad) for x in qkv]
+        res = flashport.attention(*xs, **kw)
+        out = res[0] if kw["return_lse"] else res
+        grads = torch.autograd.grad(out.float().sum(), xs) if grad else ()
+        return (res if kw["return_lse"] else (res,)), grads
+
+    first = call()
+    n = len(plan_cache._cache)
+    second = call()
+    assert len(plan_cache._cache) == n
+    dispatch.clear_cache()
+    uncached = call()
+    for a, b_, c in zip([*first[0], *first[1]], [*second[0], *second[1]], [*uncached[0], *uncached[1]]):
+        torch.testing.assert_close(b_, a, rtol=0, atol=0, equal_nan=True)
+        torch.testing.assert_close(c, a, rtol=0, atol=0, equal_nan=True)
