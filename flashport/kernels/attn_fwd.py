@@ -43,8 +43,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
     generated functions of kernels/mod_codegen.py (None without mods), reading the captured tensors in `mods`;
     b, h: the batch entry and query head they see.  BLOCK_SKIP: key tile t is visited only where
     skip_base[t * skip_step] != 0 (a block mask's live tiles).  PAGE > 0: a paged KV cache, key n in slot n % PAGE
-    of page pages[n // PAGE] (page strides stride_kp / stride_vp); k_ptr / v_ptr then point at the head's row 0
-    of page 0 and do not move."""
+    of page pages[n // PAGE] (page strides stride_kp / stride_vp), looked up once per tile where a page holds whole
+    tiles, else once per key; k_ptr / v_ptr then point at the head's row 0 of page 0 and do not move."""
     offs_nb = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, BLOCK_D)
     offs_dv = tl.arange(0, BLOCK_DV)
@@ -53,7 +53,13 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
     for start_n in range(lo, hi, BLOCK_N):
         if tile_live(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP):   # a tile the block mask leaves empty: skipped
             offs_n = start_n + offs_nb
-            if PAGE > 0:   # one page-table entry per key (a tile may span pages); keys past sk read page 0
+            if PAGE > 0 and PAGE % BLOCK_N == 0:   # the tile lies in one page: one page-table entry, contiguous rows
+                page = tl.load(pages + start_n // PAGE).to(tl.int64)
+                rows = (start_n % PAGE + offs_nb).to(tl.int64)
+                k = load_tile(k_ptr + page * stride_kp + rows[:, None] * stride_ks + offs_d[None, :],
+                              offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
+                v_tile = v_ptr + page * stride_vp + rows[:, None] * stride_vs + offs_dv[None, :]
+            elif PAGE > 0:   # one page-table entry per key (a tile spans pages); keys past sk read page 0
                 page = tl.load(pages + offs_n // PAGE, mask=offs_n < sk, other=0).to(tl.int64)
                 slot = offs_n % PAGE
                 k = load_tile(k_ptr + (page * stride_kp + slot * stride_ks)[:, None] + offs_d[None, :],
