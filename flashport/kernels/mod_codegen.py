@@ -7,6 +7,8 @@ function
     score_mod(score, b, h, q_idx, kv_idx, cap) -> float32     (natural units, as the user wrote it)
     score_grad(score, b, h, q_idx, kv_idx, cap) -> float32    d score_mod / d score at the same point
     mask_mod(b, h, q_idx, kv_idx, cap) -> bool
+    cap_grad(score, b, h, q_idx, kv_idx, cap, dy, live, gcap)   adds dy * d score_mod / d value into the gradient
+                                                               buffers of the captured tensors that need one (atomics)
 
 whose index arguments broadcast ([BLOCK_M, 1] x [1, BLOCK_N] tiles, or transposed; b and h are scalars).
 Tensors the mods read (captured: tables, document ids, slopes) travel in `cap`, a flat tuple of
