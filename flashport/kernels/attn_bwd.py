@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import attn_bwd_hopper
 from .common import (LN2_K, LOG2E_K, KernelArgs, block_dim, cdiv, dropout_keep, head_scalars, head_strides, key_tiles,
-                     load_head_tile, load_tile, mask_scores, offset, query_tiles, seq_bounds, stride_align, tile_live,
+                     load_head_tile, load_tile, mask_scores, offset, query_tiles, seq_bounds, stride_align, tile_full, tile_live,
                      tile_part, transform_log2)
 from .launch import DirectLauncher
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
@@ -109,7 +109,8 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
             s_t = mask_scores(s_t, offs_m[None, :], offs_n[:, None], sk, diag, left, right,
                               (start_m < full_lo) | (start_m >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
             if MASK_MOD is not None:
-                s_t = tl.where(MASK_MOD(b, h, offs_m[None, :], offs_n[:, None], mods), s_t, float("-inf"))
+                if not tile_full(skip_base, start_m, BLOCK_M, skip_step, BLOCK_SKIP):
+                    s_t = tl.where(MASK_MOD(b, h, offs_m[None, :], offs_n[:, None], mods), s_t, float("-inf"))
             p_t = tl.exp2(s_t - lse2[None, :])
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
             if DROPOUT:
@@ -234,7 +235,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi
             s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right,
                             (start_n < full_lo) | (start_n >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
             if MASK_MOD is not None:
-                s = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), s, float("-inf"))
+                if not tile_full(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP):
+                    s = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), s, float("-inf"))
             p = tl.exp2(s - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
             if DROPOUT:

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .common import (LN2_K, LOG2E_K, KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile,
-                     mask_scores, offset, seq_bounds, tile_live, tile_part, transform_log2)
+                     mask_scores, offset, seq_bounds, tile_full, tile_live, tile_part, transform_log2)
 from . import attn_fwd_hopper
 from .tuning import launch_with_fallback
 
@@ -75,7 +75,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
                 qk = mask_scores(qk, offs_m[:, None], offs_n[None, :], sk, diag, left, right, boundary, MASK, HAS_LEFT,
                                  HAS_RIGHT)
                 if MASK_MOD is not None:
-                    qk = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), qk, float("-inf"))
+                    if not tile_full(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP):
+                        qk = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), qk, float("-inf"))
                 m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             else:
                 s, t = transform_log2(qk, offs_m[:, None], offs_n[None, :], diag, qk_scale, cap_in, cap_out, slope2,
@@ -86,7 +87,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
                 s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right, boundary, MASK, HAS_LEFT,
                                 HAS_RIGHT)
                 if MASK_MOD is not None:
-                    s = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), s, float("-inf"))
+                    if not tile_full(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP):
+                        s = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), s, float("-inf"))
                 m_ij = tl.maximum(m_i, tl.max(s, 1))
             m_sub = m_ij
             if MASK != 0 or (SCORE_MOD is not None or MASK_MOD is not None):   # mods hide keys in any tile

@@ -446,6 +446,16 @@ def floor_mod(a, b):
 
 
 @triton.jit
+def tile_full(skip_base, start, BLOCK: tl.constexpr, skip_step, BLOCK_SKIP: tl.constexpr):
+    """Whether every pair of the kernel tile at `start` lies in a FULL block of the block mask (its mask_mod is true
+    there, so the kernels skip evaluating it); without a block mask never, a constant the caller's `if` folds away."""
+    if BLOCK_SKIP:
+        return tl.load(skip_base + (start // BLOCK) * skip_step) == 2
+    else:
+        return False
+
+
+@triton.jit
 def tile_live(skip_base, start, BLOCK: tl.constexpr, skip_step, BLOCK_SKIP: tl.constexpr):
     """Whether the kernel tile starting at `start` is live in a block mask's table (kernels/block_skip.py); without a
     block mask always, a constant the caller's `if` folds away (the loop body then compiles as it did before)."""

@@ -180,7 +180,7 @@ def test_the_kernels_skip_the_tiles_the_live_table_marks_empty(monkeypatch):
 
 @pytest.mark.parametrize("tiles", [(16, 16), (16, 32), (64, 16), (8, 24)], ids=str)
 @pytest.mark.parametrize("blocks", [(16, 16), (8, 8), (32, 8)], ids=str)
-def test_live_tiles_mark_every_kernel_tile_that_overlaps_a_non_empty_block(blocks, tiles):
+def test_live_tiles_mark_empty_partial_and_full_kernel_tiles(blocks, tiles):
     from flashport.kernels.block_skip import live_tiles
     sq, sk = 53, 70
     bm = flashport.create_block_mask(lambda b, h, i, j: (j <= i) & ((i - j) < 9) | (j == 60), None, HQ, sq, sk,
@@ -190,10 +190,15 @@ def test_live_tiles_mark_every_kernel_tile_that_overlaps_a_non_empty_block(block
     i, j = torch.meshgrid(torch.arange(sq), torch.arange(sk), indexing="ij")
     for h in range(HQ):
         block_live = bm.state[0, h][i // qb, j // kb] != 0          # per element: its block is not empty
+        block_full = bm.state[0, h][i // qb, j // kb] == 2          # per element: its block is FULL
         for t in range(got.shape[2]):
             for u in range(got.shape[3]):
-                want = block_live[t * tiles[0]:(t + 1) * tiles[0], u * tiles[1]:(u + 1) * tiles[1]].any()
-                assert bool(got[0, h, t, u]) == bool(want), (h, t, u)
+                tile = (slice(t * tiles[0], (t + 1) * tiles[0]), slice(u * tiles[1], (u + 1) * tiles[1]))
+                want = 0 if not block_live[tile].any() else 2 if block_full[tile].all() else 1
+                assert int(got[0, h, t, u]) == want, (h, t, u)
+    causal = live_tiles(flashport.create_block_mask(mods.causal, None, None, 128, 128, block_size=blocks), 128, 128,
+                        *tiles)
+    assert (causal == 2).any() and (causal == 1).any() and (causal == 0).any()   # below, on and above the diagonal
 
 
 def _scaled_rel(table, scale):
