@@ -7,6 +7,7 @@ flashport never fixes that choice.  kvcache calls go to flashport.kernels.decode
 """
 from __future__ import annotations
 
+import dataclasses
 import functools
 import weakref
 from collections import OrderedDict
@@ -114,7 +115,8 @@ class TritonBackend(dispatch.Backend):
                                "attn_bias: read by the compiled score function after score_mod",
                                "gradients of tensors a score_mod captures and of attn_bias: added by the dK/dV kernel "
                                "with float32 atomics (refused with deterministic=True)",
-                               "block_mask: its empty tiles are skipped (kernels/block_skip.py)"))
+                               "block_mask: its empty tiles are skipped, its FULL tiles evaluate no mask_mod "
+                               "(kernels/block_skip.py)"))
 
     # The Gluon kernels call these with hopper=True (backend/gluon.py).
     hopper = False
@@ -213,36 +215,49 @@ def mod_reasons(spec: AttnSpec, prog) -> list[str]:
     if spec.needs_grad and prog.differentiable and spec.deterministic:
         return [f"{len(prog.differentiable)} captured tensor(s) / attn_bias require grad, and deterministic=True: the "
                 "kernels add those gradients with atomics (blockwise sums them in a fixed order)"]
+    if prog.attn_bias is not None and prog.attn_bias.numel() >= 2 ** 31:
+        return [f"attn_bias of {prog.attn_bias.numel()} elements (the kernels index it in int32: at most 2**31 - 1)"]
     return []
 
 
-# attn_bias tensor id -> (attn_bias, score_mod, the score function, the bias as a 4-d view): one function object per
-# pair, so that compile_mods' memo hits for a bias passed again (a learnable bias, a cached mask).  Bounded.
+# (score_mod, attn_bias's broadcast pattern, dtype, device) -> (score_mod, the score function, its stand-in bias): the
+# function reads a small stand-in of the bias's rank, dtype and size-1 dimensions, whose pointer, strides and sizes
+# each call replaces with its own bias (the generated code reads them at run time).  So a new bias tensor each step
+# compiles nothing, and no cache keeps a caller's bias alive.  Bounded.
 _BIASED: "OrderedDict" = OrderedDict()
 BIASED_SIZE = 16
 
 
 def score_function(prog):
-    """(the score function the kernels compile, the attn_bias view it reads or None): score_mod, then + attn_bias at
+    """(the score function the kernels compile, the stand-in bias it reads or None): score_mod, then + attn_bias at
     (b, h, q_idx, kv_idx), a size-1 dimension read at 0 (flashport/programmable.py's pipeline and broadcasting)."""
     bias, sm = prog.attn_bias, prog.score_mod
     if bias is None:
         return sm, None
-    hit = _BIASED.get(id(bias))
-    if hit is None or hit[0] is not bias or hit[1] is not sm:
-        with torch.enable_grad():   # a view made under no_grad (an autograd Function's forward) is cut from bias
-            bias4 = bias.reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    shape = (1,) * (4 - bias.dim()) + tuple(bias.shape)
+    key = (id(sm), tuple(n == 1 for n in shape), bias.dtype, bias.device)
+    hit = _BIASED.get(key)
+    if hit is None or hit[0] is not sm:
+        stand_in = torch.zeros(tuple(1 if n == 1 else 2 for n in shape), dtype=bias.dtype, device=bias.device,
+                               requires_grad=True)
 
         def biased(score, b, h, q_idx, kv_idx):
             s = score if sm is None else sm(score, b, h, q_idx, kv_idx)
-            idx = tuple(x if n > 1 else x * 0 for x, n in zip((b, h, q_idx, kv_idx), bias4.shape))
-            return s + bias4[idx].to(s.dtype)
+            idx = tuple(x if n > 1 else x * 0 for x, n in zip((b, h, q_idx, kv_idx), stand_in.shape))
+            return s + stand_in[idx].to(s.dtype)
 
-        hit = _BIASED[id(bias)] = (bias, sm, biased, bias4)
+        hit = _BIASED[key] = (sm, biased, stand_in)
         while len(_BIASED) > BIASED_SIZE:
             _BIASED.popitem(last=False)
-    _BIASED.move_to_end(id(bias))
-    return hit[2], hit[3]
+    _BIASED.move_to_end(key)
+    return hit[1], hit[2]
+
+
+def _with_bias(mods, stand_in, bias):
+    """The compiled mods with the call's own attn_bias (as a 4-d view) in the stand-in's place."""
+    bias4 = bias.detach().reshape((1,) * (4 - bias.dim()) + tuple(bias.shape))
+    swap = lambda ts: tuple(bias4 if t is stand_in else t for t in ts)  # noqa: E731
+    return dataclasses.replace(mods, captured=swap(mods.captured), grad_leaves=swap(mods.grad_leaves))
 
 
 def compiled_mods(spec: AttnSpec, inputs: AttnInputs):
@@ -257,12 +272,15 @@ def compiled_mods(spec: AttnSpec, inputs: AttnInputs):
         reasons = mod_reasons(spec, prog)
         if not reasons:
             from ..kernels.mod_codegen import compile_mods
-            score, bias4 = score_function(prog)
-            # gradients in prog.differentiable's order: attn_bias (as its 4-d view), then the captured tensors
-            grads = ((bias4,) if bias4 is not None and bias4.requires_grad else ()) + prog.captured
+            score, stand_in = score_function(prog)
+            # gradients in prog.differentiable's order: attn_bias (its stand-in), then the captured tensors
+            bias_grad = stand_in is not None and prog.attn_bias.requires_grad
+            grads = ((stand_in,) if bias_grad else ()) + prog.captured
             got = compile_mods(score, visible_mask(prog), spec.device, grads if spec.needs_grad else ())
             reasons = [got] if isinstance(got, str) else []
             mods = None if reasons else got
+            if mods is not None and stand_in is not None:
+                mods = _with_bias(mods, stand_in, prog.attn_bias)
         if reasons:
             raise dispatch.UnsupportedError("backend 'triton' cannot serve this call:\n  - triton: "
                                             + "; ".join(reasons))

@@ -144,6 +144,34 @@ def test_new_batch_length_and_values_generate_no_new_function(monkeypatch, tmp_p
     assert len(list((tmp_path / "mods").glob("*.py"))) == 3
 
 
+def test_a_new_attn_bias_each_call_traces_nothing_and_is_not_kept(monkeypatch, tmp_path):
+    """The score function reads a stand-in of the bias's rank, dtype and size-1 dimensions; each call puts its own
+    bias there: new biases (other B and S, new values) trace and generate nothing, and no cache holds them."""
+    import gc
+    import weakref
+    monkeypatch.setenv("FLASHPORT_CACHE_DIR", str(tmp_path))
+    mc = _fresh_generated_functions(monkeypatch)
+    traces, real = [], mc._trace
+    monkeypatch.setattr(mc, "_trace", lambda *a, **kw: traces.append(1) or real(*a, **kw))
+    gone = []
+    for b, s in ((1, 17), (2, 33), (1, 5)):
+        q, k, v, do = _inputs(torch.float32, b=b, s=s)
+        bias = torch.randn(1, HQ, s, s).requires_grad_()
+        out = flashport.attention(q, k, v, backend="triton", attn_bias=bias)
+        (dbias,) = torch.autograd.grad(out, bias, do)
+        q64, k64, v64 = (t.detach().double() for t in (q, k, v))
+        b64 = bias.detach().double().requires_grad_()
+        ref = flashport.attention(q64, k64, v64, backend="reference", attn_bias=b64)
+        (want,) = torch.autograd.grad(ref, b64, do.double())
+        torch.testing.assert_close(out.double(), ref, rtol=0, atol=2e-5)
+        torch.testing.assert_close(dbias.double(), want, rtol=0, atol=2e-5)
+        gone.append(weakref.ref(bias))
+        del bias, out, dbias
+    gc.collect()
+    assert len(traces) == 3 and mc.stats["generated"] == 3, (len(traces), mc.stats)   # score, d score, d bias
+    assert all(r() is None for r in gone), "a cache keeps a caller's attn_bias alive"
+
+
 def _unsorted_rank(score, b, h, i, j):
     return score + torch.sort(SLOPES)[0][h]
 
