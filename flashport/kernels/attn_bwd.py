@@ -30,7 +30,7 @@ import triton.language as tl
 
 from . import attn_bwd_hopper
 from .common import (LN2_K, LOG2E_K, KernelArgs, block_dim, cdiv, dropout_keep, head_scalars, head_strides, key_tiles,
-                     load_head_tile, load_tile, mask_scores, offset, query_tiles, seq_bounds, stride_align, tile_full, tile_live,
+                     load_head_tile, load_tile, mask_scores, offset, query_tiles, seq_bounds, stride_align, live_row, tile_state,
                      tile_part, transform_log2)
 from .launch import DirectLauncher
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
@@ -87,7 +87,8 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
     q_offs = offs_mb[:, None] * stride_qs + offs_d[None, :]
     do_offs = offs_mb[:, None] * stride_dos + offs_dv[None, :]
     for start_m in range(lo, hi, BLOCK_M):
-        if tile_live(skip_base, start_m, BLOCK_M, skip_step, BLOCK_SKIP):   # a tile the block mask leaves empty: skipped
+        state = tile_state(skip_base, start_m, BLOCK_M, skip_step, BLOCK_SKIP)
+        if state != 0:   # a tile the block mask leaves empty: skipped
             offs_m = start_m + offs_mb
             q = load_tile(q_ptr + q_offs, offs_m[:, None], sq, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
             do = load_tile(do_ptr + do_offs, offs_m[:, None], sq, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
@@ -109,7 +110,7 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
             s_t = mask_scores(s_t, offs_m[None, :], offs_n[:, None], sk, diag, left, right,
                               (start_m < full_lo) | (start_m >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
             if MASK_MOD is not None:
-                if not tile_full(skip_base, start_m, BLOCK_M, skip_step, BLOCK_SKIP):
+                if state != 2:   # a FULL tile: mask_mod is true everywhere
                     s_t = tl.where(MASK_MOD(b, h, offs_m[None, :], offs_n[:, None], mods), s_t, float("-inf"))
             p_t = tl.exp2(s_t - lse2[None, :])
             dp_t = tl.dot(v, tl.trans(do), input_precision=PRECISION)
@@ -173,11 +174,7 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
     slope2, seed, rng_offset, bh = head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI, DROPOUT)
     if SCORE_MOD is not None:
         slope2 = slope2 * LN2_K   # natural units before a score_mod
-    skip_base = 0
-    skip_step = 0
-    if BLOCK_SKIP:   # this K tile's column of the live-tile table (attn_fwd's note)
-        skip_base = skip[0] + b * skip[1] + h * skip[2] + pid_n * skip[4]
-        skip_step = skip[3]
+    skip_base, skip_step = live_row(skip, b, h, pid_n, False, BLOCK_SKIP)
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     h64, q0 = tl.cast(h, tl.int64), tl.cast(q_start, tl.int64)
@@ -222,7 +219,8 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi
     k_offs = offs_nb[:, None] * stride_ks + offs_d[None, :]
     v_offs = offs_nb[:, None] * stride_vs + offs_dv[None, :]
     for start_n in range(lo, hi, BLOCK_N):
-        if tile_live(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP):   # a tile the block mask leaves empty: skipped
+        state = tile_state(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP)
+        if state != 0:   # a tile the block mask leaves empty: skipped
             offs_n = start_n + offs_nb
             k = load_tile(k_ptr + k_offs, offs_n[:, None], sk, offs_d[None, :], D, MASK != 0, D != BLOCK_D)
             v = load_tile(v_ptr + v_offs, offs_n[:, None], sk, offs_dv[None, :], DV, MASK != 0, DV != BLOCK_DV)
@@ -235,7 +233,7 @@ def _dq_tiles(dq, q, do, lse2, delta, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi
             s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right,
                             (start_n < full_lo) | (start_n >= full_hi), MASK, HAS_LEFT, HAS_RIGHT)
             if MASK_MOD is not None:
-                if not tile_full(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP):
+                if state != 2:   # a FULL tile: mask_mod is true everywhere
                     s = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), s, float("-inf"))
             p = tl.exp2(s - lse2[:, None])
             dp = tl.dot(do, tl.trans(v), input_precision=PRECISION)
@@ -291,11 +289,7 @@ def _bwd_dq(Q, K, V, DO, Lse, Delta, DQ, Slopes, CuQ, CuK, Rng,
     slope2, seed, rng_offset, bh = head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI, DROPOUT)
     if SCORE_MOD is not None:
         slope2 = slope2 * LN2_K   # natural units before a score_mod
-    skip_base = 0
-    skip_step = 0
-    if BLOCK_SKIP:   # this Q tile's row of the live-tile table (attn_fwd's note)
-        skip_base = skip[0] + b * skip[1] + h * skip[2] + pid_m * skip[3]
-        skip_step = skip[4]
+    skip_base, skip_step = live_row(skip, b, h, pid_m, True, BLOCK_SKIP)
     k_base = K + offset(b64, kvh, k_start, stride_kb, stride_kh, stride_ks, ALIGN)
     v_base = V + offset(b64, kvh, k_start, stride_vb, stride_vh, stride_vs, ALIGN)
     dq = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)

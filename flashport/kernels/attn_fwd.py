@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .common import (LN2_K, LOG2E_K, KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile,
-                     mask_scores, offset, seq_bounds, tile_full, tile_live, tile_part, transform_log2)
+                     mask_scores, offset, seq_bounds, live_row, tile_state, tile_part, transform_log2)
 from . import attn_fwd_hopper
 from .tuning import launch_with_fallback
 
@@ -51,7 +51,8 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
     k_offs = offs_nb[:, None] * stride_ks + offs_d[None, :]
     v_offs = offs_nb[:, None] * stride_vs + offs_dv[None, :]
     for start_n in range(lo, hi, BLOCK_N):
-        if tile_live(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP):   # a tile the block mask leaves empty: skipped
+        state = tile_state(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP)
+        if state != 0:   # a tile the block mask leaves empty: skipped
             offs_n = start_n + offs_nb
             if PAGE > 0 and PAGE % BLOCK_N == 0:   # the tile lies in one page: one page-table entry, contiguous rows
                 page = tl.load(pages + start_n // PAGE).to(tl.int64)
@@ -75,7 +76,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
                 qk = mask_scores(qk, offs_m[:, None], offs_n[None, :], sk, diag, left, right, boundary, MASK, HAS_LEFT,
                                  HAS_RIGHT)
                 if MASK_MOD is not None:
-                    if not tile_full(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP):
+                    if state != 2:   # a FULL tile: mask_mod is true everywhere
                         qk = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), qk, float("-inf"))
                 m_ij = tl.maximum(m_i, tl.max(qk, 1) * qk_scale)
             else:
@@ -87,7 +88,7 @@ def _fwd_tiles(acc, l_i, m_i, q, k_ptr, v_ptr, stride_ks, stride_vs, lo, hi, ful
                 s = mask_scores(s, offs_m[:, None], offs_n[None, :], sk, diag, left, right, boundary, MASK, HAS_LEFT,
                                 HAS_RIGHT)
                 if MASK_MOD is not None:
-                    if not tile_full(skip_base, start_n, BLOCK_N, skip_step, BLOCK_SKIP):
+                    if state != 2:   # a FULL tile: mask_mod is true everywhere
                         s = tl.where(MASK_MOD(b, h, offs_m[:, None], offs_n[None, :], mods), s, float("-inf"))
                 m_ij = tl.maximum(m_i, tl.max(s, 1))
             m_sub = m_ij
@@ -156,11 +157,7 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
     slope2, seed, rng_offset, bh = head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI, DROPOUT)
     if SCORE_MOD is not None:
         slope2 = slope2 * LN2_K   # natural units before a score_mod (see _fwd_tiles)
-    skip_base = 0
-    skip_step = 0
-    if BLOCK_SKIP:   # this Q tile's row of the live-tile table [B, Hq, Q tiles, K tiles] (strides in `skip`)
-        skip_base = skip[0] + b * skip[1] + h * skip[2] + pid_m * skip[3]
-        skip_step = skip[4]
+    skip_base, skip_step = live_row(skip, b, h, pid_m, True, BLOCK_SKIP)
 
     pages = Pages
     if PAGE > 0:

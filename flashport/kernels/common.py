@@ -446,20 +446,28 @@ def floor_mod(a, b):
 
 
 @triton.jit
-def tile_full(skip_base, start, BLOCK: tl.constexpr, skip_step, BLOCK_SKIP: tl.constexpr):
-    """Whether every pair of the kernel tile at `start` lies in a FULL block of the block mask (its mask_mod is true
-    there, so the kernels skip evaluating it); without a block mask never, a constant the caller's `if` folds away."""
+def live_row(skip, b, h, tile, Q_TILES: tl.constexpr, BLOCK_SKIP: tl.constexpr):
+    """(base, step) of this program's line in a block mask's live-tile table [B, Hq, Q tiles, K tiles] (strides in
+    `skip`, kernels/block_skip.py): the row of Q tile `tile` (Q_TILES, the forward's and dQ's loops over key tiles) or
+    the column of K tile `tile` (dK/dV's loop over query tiles).  (0, 0) without a block mask."""
+    base = 0
+    step = 0
     if BLOCK_SKIP:
-        return tl.load(skip_base + (start // BLOCK) * skip_step) == 2
-    else:
-        return False
+        if Q_TILES:
+            base = skip[0] + b * skip[1] + h * skip[2] + tile * skip[3]
+            step = skip[4]
+        else:
+            base = skip[0] + b * skip[1] + h * skip[2] + tile * skip[4]
+            step = skip[3]
+    return base, step
 
 
 @triton.jit
-def tile_live(skip_base, start, BLOCK: tl.constexpr, skip_step, BLOCK_SKIP: tl.constexpr):
-    """Whether the kernel tile starting at `start` is live in a block mask's table (kernels/block_skip.py); without a
-    block mask always, a constant the caller's `if` folds away (the loop body then compiles as it did before)."""
+def tile_state(skip_base, start, BLOCK: tl.constexpr, skip_step, BLOCK_SKIP: tl.constexpr):
+    """The block mask's state of the kernel tile starting at `start` (kernels/block_skip.py): 0 empty (skipped),
+    1 partial (mask_mod evaluated), 2 full (mask_mod true on every pair: not evaluated).  Without a block mask 1, a
+    constant the caller's `if`s fold away (the loop body then compiles as it did before)."""
     if BLOCK_SKIP:
-        return tl.load(skip_base + (start // BLOCK) * skip_step) != 0
+        return tl.load(skip_base + (start // BLOCK) * skip_step)
     else:
-        return True
+        return 1
