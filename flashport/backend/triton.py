@@ -153,12 +153,10 @@ class TritonBackend(dispatch.Backend):
             if spec.seqlen_q >= PREFILL_MIN_Q:   # chunked prefill / verification: the prefill kernel, paged reads
                 from ..kernels.attn_fwd import kvcache_forward
                 from ..kernels.common import device_guard
-                seqlens = inputs.seqlens_k
-                if seqlens is None:
-                    seqlens = torch.full((spec.batch,), spec.seqlen_k, dtype=torch.int32, device=spec.device)
+                from ..kernels.decode import valid_lengths
                 with device_guard(spec.device):
-                    out, lse = kvcache_forward(spec, inputs.q, inputs.k, inputs.v, seqlens, inputs.block_table,
-                                               alibi=inputs.alibi_slopes)
+                    out, lse = kvcache_forward(spec, inputs.q, inputs.k, inputs.v, valid_lengths(spec, inputs),
+                                               inputs.block_table, alibi=inputs.alibi_slopes)
                 return out, lse, None
             from ..kernels.decode import kvcache_attention
             out, lse = kvcache_attention(spec, inputs)

@@ -271,6 +271,13 @@ def plan_for(spec, device: torch.device, *, num_splits=None, block_m=None, block
                        splitkv.MAX_KEYS_PER_SPLIT)
 
 
+def valid_lengths(spec, inputs) -> torch.Tensor:
+    """int32 [B] on the device: each entry's valid key count, the whole capacity where the call gave none."""
+    if inputs.seqlens_k is not None:
+        return inputs.seqlens_k
+    return torch.full((spec.batch,), spec.seqlen_k, dtype=torch.int32, device=inputs.q.device)
+
+
 def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: int | None = None,
                       block_n: int | None = None, num_stages: int | None = None, num_warps: int | None = None):
     """q [B, Sq, Hq, D] against the cache in `inputs` -> (out [B, Sq, Hq, Dv] q.dtype, lse [B, Hq, Sq] f32).
@@ -291,9 +298,7 @@ def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: i
                     num_stages=num_stages, num_warps=num_warps)
     if plan is None:
         raise ValueError("no Triton tile configuration fits this device's shared memory")
-    seqlens = inputs.seqlens_k
-    if seqlens is None:
-        seqlens = torch.full((bsz,), spec.seqlen_k, dtype=torch.int32, device=q.device)
+    seqlens = valid_lengths(spec, inputs)
 
     splits = plan.num_splits
     if splits == 1:

@@ -17,7 +17,7 @@ import torch
 import flashport
 from conformance import assert_within_rule
 from flashport.backend.reference import materialized_attention
-from flashport.kernels.decode import kvcache_attention, kvcache_supports
+from flashport.kernels.decode import kvcache_attention, kvcache_supports, valid_lengths
 from flashport.kernels.merge import merge_partials, merge_states_triton
 from flashport.kernels.splitkv import choose_config, choose_num_splits
 from flashport.kvcache import append_kv, gather_pages
@@ -125,10 +125,7 @@ def run_triton(case: KV, q, k_cache, v_cache, k_new, v_new, lens, block_table, s
     assert kvcache_supports(spec) == []
     append_kv(k_cache, v_cache, k, v, cache_seqlens, block_table)
     if case.prefill:
-        seqlens = inputs.seqlens_k
-        if seqlens is None:
-            seqlens = torch.full((spec.batch,), spec.seqlen_k, dtype=torch.int32)
-        return kvcache_forward(spec, inputs.q, inputs.k, inputs.v, seqlens, inputs.block_table,
+        return kvcache_forward(spec, inputs.q, inputs.k, inputs.v, valid_lengths(spec, inputs), inputs.block_table,
                                alibi=inputs.alibi_slopes)
     return kvcache_attention(spec, inputs, num_splits=case.num_splits, block_m=case.block_m,
                              block_n=case.block_n)
