@@ -49,13 +49,13 @@ def _paged(k, v, page, g):
 
 def _reference(q, k, v):
     """float32 math of the bottom-right causal call, one batch entry at a time (no Sq x Sk buffer for all B)."""
+    from torch.nn.attention.bias import causal_lower_right
     out = torch.empty(q.shape, dtype=torch.float32, device=q.device)
     g = q.shape[2] // k.shape[2]
+    bias = causal_lower_right(q.shape[1], k.shape[1])
     for b in range(q.shape[0]):
         qb, kb, vb = (t[b].float().transpose(0, 1) for t in (q, k, v))
         kb, vb = kb.repeat_interleave(g, 0), vb.repeat_interleave(g, 0)
-        from torch.nn.attention.bias import causal_lower_right
-        bias = causal_lower_right(q.shape[1], k.shape[1])
         out[b] = F.scaled_dot_product_attention(qb[None], kb[None], vb[None], attn_mask=bias)[0].transpose(0, 1)
     return out
 
