@@ -101,6 +101,11 @@ class Backend:
         """Static priority: False where another backend is known to be faster (used where no table fits)."""
         return True
 
+    def input_reasons(self, spec: AttnSpec, inputs) -> list[str]:
+        """What only the call's inputs can show (whether a programmable mod compiles here): asked by auto-selection
+        for calls with mods, whose spec names the features but not the functions.  Empty: it can serve them."""
+        return []
+
     def extra_bytes(self, spec: AttnSpec, role: str = "fwd") -> int:
         """Working memory one call allocates beyond its inputs (for stats()): the output and lse forward,
         dq, dk, dv and the row statistics backward.  A backend that allocates more says so."""
@@ -261,13 +266,16 @@ def select(spec: AttnSpec, backend: str | None = None) -> Plan:
     return select_counted(spec, backend)[0]
 
 
-def select_counted(spec: AttnSpec, backend: str | None = None, state: str = "any") -> tuple[Plan, bool]:
+def select_counted(spec: AttnSpec, backend: str | None = None, state: str = "any",
+                   inputs=None) -> tuple[Plan, bool]:
     """(plan, fallback): fallback is True where auto took this plan only because its first choice is
     quarantined or because no fast GPU backend serves the call (stats() counts those calls).
     state: what the caller can take.  "any" (eager calls); "prefer_lse" (the custom ops of flashport/ops.py):
     auto prefers plans whose backward runs from (out, lse), as an own-state backward must recompute its forward
     there; "sdpa_hook" (flashport/integrations/sdpa.py, serving PyTorch SDPA's flash op): as "prefer_lse", and
-    no backend, named or auto, whose kernel on this device is that op (Capabilities.sdpa_flash_devices)."""
+    no backend, named or auto, whose kernel on this device is that op (Capabilities.sdpa_flash_devices).
+    inputs: the call's AttnInputs; for a call with mods, auto then takes the first plan whose backends accept them
+    (Backend.input_reasons)."""
     name = _requested(backend)
     key = (spec, name, state, env.raws(_KEY_SWITCHES))
     hit = _memo.get(key)
@@ -278,12 +286,40 @@ def select_counted(spec: AttnSpec, backend: str | None = None, state: str = "any
                 del _memo[k]
         _memo[key] = hit
     plan, fallback = hit
+    refused: list = []
+    if inputs is not None and name is None and spec.mods:
+        plan = _accepting(spec, plan, inputs, state, refused)
     if spec.device.type == "cuda" and name is None:
         for b in {plan.fwd, plan.bwd} if spec.needs_grad else {plan.fwd}:
             if b.slow_on_gpu:
-                _warn_slow(b, spec)
+                _warn_slow(b, spec, refused)
                 fallback = True
     return plan, fallback
+
+
+def _plan_input_reasons(plan: Plan, spec: AttnSpec, inputs) -> list[str]:
+    why = plan.fwd.input_reasons(spec, inputs)
+    if spec.needs_grad and plan.bwd is not plan.fwd:
+        why = why + [f"backward: {r}" for r in plan.bwd.input_reasons(spec, inputs)]
+    return why
+
+
+def _accepting(spec: AttnSpec, plan: Plan, inputs, state: str, refused: list) -> Plan:
+    """Auto's plan for a call with mods: `plan` where its backends accept the inputs, else the first plan in auto's
+    order that does (the backends passed over, with their reasons, go to `refused`)."""
+    why = _plan_input_reasons(plan, spec, inputs)
+    if not why:
+        return plan
+    refused.append(f"  - {plan.name}: " + "; ".join(why))
+    for p in _lse_plans(spec, options(spec, state=state), state):
+        if p == plan or p.fwd.measured_only or p.bwd.measured_only:
+            continue
+        why = _plan_input_reasons(p, spec, inputs)
+        if not why:
+            log.debug("flashport: %s chosen for %s; passed over for its inputs:\n%s", p.name, spec, "\n".join(refused))
+            return p
+        refused.append(f"  - {p.name}: " + "; ".join(why))
+    raise UnsupportedError("no backend can serve this call's mods:\n" + "\n".join(refused))
 
 
 def _named(spec: AttnSpec, name: str, state: str = "any") -> Plan:
@@ -383,11 +419,11 @@ def _auto(spec: AttnSpec, state: str = "any") -> tuple[Plan, bool]:
     return plan, fallback
 
 
-def _warn_slow(b: Backend, spec: AttnSpec) -> None:
+def _warn_slow(b: Backend, spec: AttnSpec, refused: list = ()) -> None:
     fallback_counts[b.name] += 1   # monitor.stats() counts the call itself
     if b.name not in _warned:
         _warned.add(b.name)
-        tried: list = []
+        tried: list = list(refused)
         options(spec, tried)
         warnings.warn(f"flashport: no fast GPU backend serves this call, running on {b.name!r} "
                       f"(PyTorch-op speed). Reasons:\n" + "\n".join(tried), RuntimeWarning, stacklevel=5)

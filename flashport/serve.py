@@ -79,7 +79,7 @@ def _select(spec, inputs, backend, state):
     """Dense and varlen calls -> (plan, fallback, inputs with varlen contents guarded and the dropout seed)."""
     if spec.kind == "varlen":
         inputs = guard_contents(spec, inputs)
-    plan, fallback = dispatch.select_counted(spec, backend, state)
+    plan, fallback = dispatch.select_counted(spec, backend, state, inputs)
     return plan, fallback, with_rng(spec, inputs)
 
 

@@ -270,6 +270,33 @@ def test_auto_serves_mods_with_a_backend_that_declares_them():
     assert used == ["blockwise"]
 
 
+def test_auto_passes_over_a_backend_that_refuses_the_inputs(monkeypatch):
+    # Whether a mod compiles shows only in the call's inputs: auto asks the backend it chose, and takes the next plan
+    # in its order where that backend refuses (sdpa-cpu serves mask_mod ahead of blockwise on a CPU).
+    q, k, v, _ = _inputs(torch.float64)
+    flashport.reset_stats()
+    flashport.attention(q, k, v, mask_mod=mods.sliding_window(3))
+    assert [n for n, s in flashport.stats().items() if s["calls"]] == ["sdpa-cpu"]
+    asked = []
+    monkeypatch.setattr(flashport.dispatch.get("sdpa-cpu"), "input_reasons",
+                        lambda spec, inputs: asked.append(inputs.prog.mask_mod) or ["pretend: this mod does not compile"])
+    flashport.reset_stats()
+    out = flashport.attention(q, k, v, mask_mod=mods.sliding_window(3))
+    assert asked and [n for n, s in flashport.stats().items() if s["calls"]] == ["blockwise"]
+    ref = flashport.attention(q, k, v, backend="reference", mask_mod=mods.sliding_window(3))
+    torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
+    # a named backend is never passed over: it serves or says why (input_reasons are auto's)
+    flashport.attention(q, k, v, mask_mod=mods.sliding_window(3), backend="sdpa-cpu")
+
+
+def test_auto_names_every_input_refusal_when_none_accepts(monkeypatch):
+    q, k, v, _ = _inputs(torch.float64)
+    for name in ("sdpa-cpu", "blockwise"):
+        monkeypatch.setattr(flashport.dispatch.get(name), "input_reasons", lambda spec, inputs, n=name: [f"{n} says no"])
+    with pytest.raises(flashport.UnsupportedError, match="(?s)sdpa-cpu says no.*blockwise says no"):
+        flashport.attention(q, k, v, mask_mod=mods.sliding_window(3))
+
+
 def test_a_backend_without_mods_refuses_with_the_reason():
     q, k, v, _ = _inputs(torch.float32)
     with pytest.raises(flashport.UnsupportedError, match="score_mod"):

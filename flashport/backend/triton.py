@@ -136,9 +136,9 @@ class TritonBackend(dispatch.Backend):
 
     def prefers(self, spec: AttnSpec, role: str) -> bool:
         if spec.mods:
-            # Whether a mod compiles is known only from the call's inputs, which dispatch does not show a backend:
-            # auto keeps programmable calls on blockwise (which serves every mod), `backend="triton"` takes them.
-            return False
+            # On a GPU the compiled mods come first; a mod the generator cannot compile is refused by input_reasons,
+            # and auto takes the next plan (blockwise serves every mod).  Under the interpreter (CPU) they come last.
+            return spec.device.type == "cuda"
         # Where no table bucket fits: on Hopper, cuDNN runs dense calls at head dims other than 64/128/256
         # (or Dv != D) 1.3-2x faster than these kernels, which pad such dims to the next power of two
         # (results/issue8_h200_s12/, D = 72, 80, 96, 192/128).
@@ -147,6 +147,9 @@ class TritonBackend(dispatch.Backend):
         odd = spec.head_dim not in (64, 128, 256) or spec.head_dim_v != spec.head_dim
         index = spec.device.index if spec.device.index is not None else torch.cuda.current_device()
         return not (odd and _capability(index)[0] == 9)
+
+    def input_reasons(self, spec: AttnSpec, inputs: AttnInputs) -> list[str]:
+        return mods_reasons(spec, inputs)
 
     def forward(self, spec: AttnSpec, inputs: AttnInputs):
         if spec.kind == "kvcache":
@@ -258,32 +261,36 @@ def _with_bias(mods, stand_in, bias):
     return dataclasses.replace(mods, captured=swap(mods.captured), grad_leaves=swap(mods.grad_leaves))
 
 
+def mods_reasons(spec: AttnSpec, inputs: AttnInputs) -> list[str]:
+    """Why the kernels cannot serve the call's mods (empty: they can, and the generated functions are kept in
+    inputs.extra for the forward and the backward of the same call).  Dispatch chooses from the spec, which holds
+    the features' names but not the functions, so a mod is judged here, from the inputs, before any kernel runs."""
+    prog = inputs.prog
+    if prog is None or "triton_mods" in inputs.extra:
+        return inputs.extra.get("triton_mods_reasons", [])
+    reasons = mod_reasons(spec, prog)
+    mods = None
+    if not reasons:
+        from ..kernels.mod_codegen import compile_mods
+        score, stand_in = score_function(prog)
+        # gradients in prog.differentiable's order: attn_bias (its stand-in), then the captured tensors
+        bias_grad = stand_in is not None and prog.attn_bias.requires_grad
+        grads = ((stand_in,) if bias_grad else ()) + prog.captured
+        got = compile_mods(score, visible_mask(prog), spec.device, grads if spec.needs_grad else ())
+        reasons = [got] if isinstance(got, str) else []
+        if not reasons:
+            mods = got if stand_in is None else _with_bias(got, stand_in, prog.attn_bias)
+    inputs.extra["triton_mods"], inputs.extra["triton_mods_reasons"] = mods, reasons
+    return reasons
+
+
 def compiled_mods(spec: AttnSpec, inputs: AttnInputs):
     """The call's generated mod functions (kernels.mod_codegen.CompiledMods), or None without mods.  Raises
-    UnsupportedError with the reason where the kernels cannot serve them: dispatch chooses from the spec, which
-    holds the features' names but not the functions, so a mod is judged here, before any kernel runs."""
-    prog = inputs.prog
-    if prog is None:
-        return None
-    mods = inputs.extra.get("triton_mods")     # the forward's, reused by the backward of the same call
-    if mods is None:
-        reasons = mod_reasons(spec, prog)
-        if not reasons:
-            from ..kernels.mod_codegen import compile_mods
-            score, stand_in = score_function(prog)
-            # gradients in prog.differentiable's order: attn_bias (its stand-in), then the captured tensors
-            bias_grad = stand_in is not None and prog.attn_bias.requires_grad
-            grads = ((stand_in,) if bias_grad else ()) + prog.captured
-            got = compile_mods(score, visible_mask(prog), spec.device, grads if spec.needs_grad else ())
-            reasons = [got] if isinstance(got, str) else []
-            mods = None if reasons else got
-            if mods is not None and stand_in is not None:
-                mods = _with_bias(mods, stand_in, prog.attn_bias)
-        if reasons:
-            raise dispatch.UnsupportedError("backend 'triton' cannot serve this call:\n  - triton: "
-                                            + "; ".join(reasons))
-        inputs.extra["triton_mods"] = mods
-    return mods
+    UnsupportedError with mods_reasons' reasons where the kernels cannot serve them."""
+    reasons = mods_reasons(spec, inputs)
+    if reasons:
+        raise dispatch.UnsupportedError("backend 'triton' cannot serve this call:\n  - triton: " + "; ".join(reasons))
+    return inputs.extra.get("triton_mods")
 
 
 # Both answers depend only on the spec (a frozen, hashable dataclass), the installed Triton, the cards and

@@ -1,7 +1,7 @@
 """GPU tier of programmable attention (issue [15]), skipped without CUDA: the `flex` backend (compiled
 FlexAttention), the `triton` kernels' compiled mods and blockwise on CUDA against the float64 reference, gradients of q, k, v, a captured table and
 attn_bias included (Flex has no backward on a CPU, so this is where its gradients are checked); a new sequence
-length does not recompile; auto picks flex (once it is auto) or blockwise for mods."""
+length does not recompile; auto picks the compiled mods (triton), and blockwise for a mod they refuse."""
 from __future__ import annotations
 
 import os
@@ -52,5 +52,16 @@ def test_auto_serves_mods_on_cuda_with_a_declared_backend():
     q = torch.randn(1, 512, 4, 64, device="cuda", dtype=torch.bfloat16)
     flashport.reset_stats()
     flashport.attention(q, q, q, mask_mod=mods.sliding_window(64))
+    used = [n for n, s in flashport.stats().items() if s["calls"]]
+    assert used == ["triton"]   # the compiled mod, not blockwise at PyTorch-op speed
+    # a mod the generator refuses goes to the next plan, with the reason in the slow-path warning
+    from flashport.backend import triton as tb
+    orig = tb.mod_reasons
+    try:
+        tb.mod_reasons = lambda spec, prog: ["pretend: not compilable"]
+        flashport.reset_stats()
+        flashport.attention(q, q, q, mask_mod=mods.sliding_window(32))
+    finally:
+        tb.mod_reasons = orig
     used = [n for n, s in flashport.stats().items() if s["calls"]]
     assert used == ["flex" if flashport.dispatch.get("flex").auto else "blockwise"]

@@ -294,8 +294,9 @@ def test_captured_gradients_are_refused_with_deterministic():
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-5)
 
 
-def test_auto_ranks_triton_after_blockwise_for_programmable_calls():
-    # dispatch judges from the spec, which cannot tell whether a mod compiles: auto keeps such calls on blockwise
+def test_auto_ranks_the_interpreted_kernels_last_for_programmable_calls():
+    # on a GPU the compiled mods come first (input_reasons refuses one that does not compile); under the
+    # interpreter they are the slowest path
     assert not flashport.dispatch.get("triton").prefers(
         flashport.spec.dense_spec(*_inputs(torch.float32)[:3], causal=False, softmax_scale=None, window_size=(-1, -1),
                                   softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False,
