@@ -29,6 +29,7 @@ import triton
 import triton.language as tl
 
 from . import attn_bwd_hopper
+from .. import env
 from .common import (LN2_K, LOG2E_K, KernelArgs, block_dim, cdiv, dropout_keep, head_scalars, head_strides, key_tiles,
                      load_head_tile, load_tile, mask_scores, offset, query_tiles, seq_bounds, stride_align, live_row, tile_state,
                      tile_part, transform_log2)
@@ -138,45 +139,20 @@ def _dkdv_tiles(dk, dv, k, v, q_ptr, do_ptr, lse_ptr, delta_ptr, stride_qs, stri
     return dk, dv
 
 
-@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
-def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
-              stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
-              stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
-              stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh,
-              stride_slope_b, seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold,
-              drop_scale, sm_scale, mods, skip, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
-              SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr,
-              gcap=None, CAP_GRAD: tl.constexpr = None):
-    pid_n = tl.program_id(0)
-    h = tl.program_id(1)  # query head; its K/V come from kv head h // G
-    b = tl.program_id(2)
-    kvh = h // group
-    n_heads = tl.num_programs(1)
-    q_start, sq, k_start, sk = seq_bounds(b, CuQ, CuK, seqlen_q, seqlen_k, IS_VARLEN)
-    start_n = pid_n * BLOCK_N
-    if start_n >= sk:
-        return
-    diag = sk - sq
-    offs_nb = tl.arange(0, BLOCK_N)
-    offs_n = start_n + offs_nb
-    offs_d = tl.arange(0, BLOCK_D)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    b64, row0 = tl.cast(b, tl.int64), k_start + start_n
-    k = load_head_tile(K, b64, kvh, row0, stride_kb, stride_kh, stride_ks, start_n, sk, BLOCK_N, D, BLOCK_D, ALIGN)
-    v = load_head_tile(V, b64, kvh, row0, stride_vb, stride_vh, stride_vs, start_n, sk, BLOCK_N, DV, BLOCK_DV, ALIGN)
-
-    # Q tiles with a row that sees this key tile [lo, hi), of which [full_lo, full_hi) need no mask.
-    lo, hi, full_lo, full_hi = query_tiles(start_n, sq, sk, diag, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
-
+@triton.jit
+def _dkdv_head(dk, dv, k, v, Q, DO, Lse, Delta, Slopes, Rng, b, b64, h, n_heads, pid_n, q_start, sq, sk, diag, lo, hi,
+               full_lo, full_hi, offs_n, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb,
+               stride_lh, stride_slope_b, left, right, qk_scale, cap_in, cap_out, drop_threshold, drop_scale, sm_scale,
+               mods, skip, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr,
+               BLOCK_DV: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr,
+               ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr,
+               ALIGN: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr,
+               BLOCK_SKIP: tl.constexpr, gcap, CAP_GRAD: tl.constexpr):
+    """dK, dV of one K/V tile accumulated over query head h's Q tiles [lo, hi)."""
     slope2, seed, rng_offset, bh = head_scalars(Slopes, Rng, b, h, n_heads, stride_slope_b, ALIBI, DROPOUT)
     if SCORE_MOD is not None:
         slope2 = slope2 * LN2_K   # natural units before a score_mod
     skip_base, skip_step = live_row(skip, b, h, pid_n, False, BLOCK_SKIP)
-    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
-    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     h64, q0 = tl.cast(h, tl.int64), tl.cast(q_start, tl.int64)
     q_ptr = Q + offset(b64, h64, q0, stride_qb, stride_qh, stride_qs, ALIGN)
     do_ptr = DO + offset(b64, h64, q0, stride_dob, stride_doh, stride_dos, ALIGN)
@@ -193,8 +169,69 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
             slope2, seed, rng_offset, bh, drop_threshold, drop_scale, sm_scale, b, h, mods, skip_base, skip_step, D, DV,
             BLOCK_M, BLOCK_D, BLOCK_DV, (0 if part == 1 else 1) if SPLIT else 2, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI,
             DROPOUT, PRECISION, SCORE_MOD, SCORE_GRAD, MASK_MOD, BLOCK_SKIP, gcap, CAP_GRAD)
+    return dk, dv
+
+
+@triton.jit(do_not_specialize=["seqlen_q", "seqlen_k", "left", "right"])
+def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
+              stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
+              stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
+              stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh,
+              stride_slope_b, seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold,
+              drop_scale, sm_scale, mods, skip, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
+              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
+              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
+              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
+              SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr,
+              gcap=None, CAP_GRAD: tl.constexpr = None, GROUP_LOOP: tl.constexpr = False):
+    """GROUP_LOOP: one program per (K/V tile, kv head, batch entry) accumulates dK, dV over every query head of the
+    kv head's GQA group (K and V read once, dK and dV written once in their own dtype); otherwise one program per
+    query head, writing dK, dV of that head alone (float32 partials under GQA, summed by `backward`)."""
+    pid_n = tl.program_id(0)
+    pid_h = tl.program_id(1)   # the query head (its K/V from kv head pid_h // G), or with GROUP_LOOP the kv head
+    b = tl.program_id(2)
+    if GROUP_LOOP:
+        kvh = pid_h
+        n_heads = tl.num_programs(1) * group
+    else:
+        kvh = pid_h // group
+        n_heads = tl.num_programs(1)
+    q_start, sq, k_start, sk = seq_bounds(b, CuQ, CuK, seqlen_q, seqlen_k, IS_VARLEN)
+    start_n = pid_n * BLOCK_N
+    if start_n >= sk:
+        return
+    diag = sk - sq
+    offs_nb = tl.arange(0, BLOCK_N)
+    offs_n = start_n + offs_nb
+    offs_d = tl.arange(0, BLOCK_D)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    b64, row0 = tl.cast(b, tl.int64), k_start + start_n
+    k = load_head_tile(K, b64, kvh, row0, stride_kb, stride_kh, stride_ks, start_n, sk, BLOCK_N, D, BLOCK_D, ALIGN)
+    v = load_head_tile(V, b64, kvh, row0, stride_vb, stride_vh, stride_vs, start_n, sk, BLOCK_N, DV, BLOCK_DV, ALIGN)
+
+    # Q tiles with a row that sees this key tile [lo, hi), of which [full_lo, full_hi) need no mask.
+    lo, hi, full_lo, full_hi = query_tiles(start_n, sq, sk, diag, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
+    dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+    if GROUP_LOOP:
+        for hg in range(0, group):
+            dk, dv = _dkdv_head(
+                dk, dv, k, v, Q, DO, Lse, Delta, Slopes, Rng, b, b64, pid_h * group + hg, n_heads, pid_n, q_start, sq,
+                sk, diag, lo, hi, full_lo, full_hi, offs_n, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos,
+                stride_doh, stride_lb, stride_lh, stride_slope_b, left, right, qk_scale, cap_in, cap_out,
+                drop_threshold, drop_scale, sm_scale, mods, skip, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT,
+                HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION, SPLIT, ALIGN, SCORE_MOD, SCORE_GRAD, MASK_MOD,
+                BLOCK_SKIP, gcap, CAP_GRAD)
+    else:
+        dk, dv = _dkdv_head(
+            dk, dv, k, v, Q, DO, Lse, Delta, Slopes, Rng, b, b64, pid_h, n_heads, pid_n, q_start, sq, sk, diag, lo, hi,
+            full_lo, full_hi, offs_n, stride_qb, stride_qs, stride_qh, stride_dob, stride_dos, stride_doh, stride_lb,
+            stride_lh, stride_slope_b, left, right, qk_scale, cap_in, cap_out, drop_threshold, drop_scale, sm_scale,
+            mods, skip, D, DV, BLOCK_M, BLOCK_D, BLOCK_DV, HAS_LEFT, HAS_RIGHT, SOFTCAP, ALIBI, DROPOUT, PRECISION,
+            SPLIT, ALIGN, SCORE_MOD, SCORE_GRAD, MASK_MOD, BLOCK_SKIP, gcap, CAP_GRAD)
 
     row_mask = offs_n[:, None] < sk
+    h64 = tl.cast(pid_h, tl.int64)   # the head dK / dV are written to: the program's own
     dk_ptr = DK + offset(b64, h64, row0, stride_dkb, stride_dkh, stride_dks, ALIGN)
     tl.store(dk_ptr + offs_nb[:, None] * stride_dks + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=row_mask & (offs_d[None, :] < D))
@@ -353,11 +390,12 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
               a.drop_threshold, a.drop_scale, spec.softmax_scale, a.mods)
     configs = configs or {}
 
-    # GQA: each program writes float32 partial dK, dV for its query head, summed per group below in a
-    # fixed order.  (Looping over the group inside one program instead kept K, V, dK, dV and the loop
-    # state live across an outer loop: on sm_90a that spilled 256 bytes per thread at D = 128,
-    # tools/gpu/compile_report.py --gqa 4.)  Costs 2 x (Hq / Hkv) float32 copies of dK / dV.
-    expand = spec.group_size > 1
+    # GQA: with FLASHPORT_GQA_GROUP_LOOP=1 one program per kv head loops over its group's query heads (K, V read
+    # once per tile, dK, dV written once); otherwise each program writes float32 partial dK, dV for its query
+    # head, summed per group below in a fixed order (2 x (Hq / Hkv) float32 copies of dK / dV).  Both are
+    # bitwise reproducible.
+    group_loop = spec.group_size > 1 and env.flag("FLASHPORT_GQA_GROUP_LOOP")
+    expand = spec.group_size > 1 and not group_loop
     dk_out, dv_out = dk, dv
     if expand:
         alloc32 = torch.zeros if varlen else torch.empty
@@ -371,12 +409,12 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
         cap_args = dict(gcap=gcap, CAP_GRAD=mods.cap_grad)
 
     def launch_dkdv(cfg):
-        grid = (cdiv(spec.seqlen_k, cfg.block_n), hq, spec.batch)
+        grid = (cdiv(spec.seqlen_k, cfg.block_n), hkv if group_loop else hq, spec.batch)
         _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk_out, dv_out, a.slopes, a.cu_q, a.cu_k, a.rng,
                         *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk_out), *a.strides(dv_out),
                         *l_strides, *common, a.skip(cfg.block_m, cfg.block_n), BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCORE_GRAD=a.score_grad, num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages, **a.constexprs, **cap_args)
+                        num_stages=cfg.num_stages, GROUP_LOOP=group_loop, **a.constexprs, **cap_args)
 
     def launch_dq(cfg):
         cfg = dq_config_with_mods(cfg, a)

@@ -91,6 +91,24 @@ def test_gqa_group_reduction_and_causal_fold():
     check_dense("triton", Case(b=1, sq=20, sk=45, hq=6, hkv=2, d=16, causal=True, window=(7, -1)))
 
 
+GROUP_LOOP_CASES = [Case(b=1, sq=20, sk=45, hq=6, hkv=2, d=16, causal=True, window=(7, -1)),
+                    Case(b=2, sq=40, sk=21, hq=4, hkv=1, d=24, causal=True, softcap=3.0, alibi="head"),
+                    Case(b=1, sq=33, sk=47, hq=3, hkv=1, d=16, window=(5, 9), noncontig=True)]
+
+
+@pytest.mark.parametrize("split", [False, True], ids=["one-loop", "split-loops"])
+@pytest.mark.parametrize("case", GROUP_LOOP_CASES, ids=str)
+def test_gqa_group_loop(case, split, monkeypatch):
+    """FLASHPORT_GQA_GROUP_LOOP=1: one dK/dV program per kv head loops over its group's query heads (ALiBi slopes
+    and the mask per query head), against the reference; and the varlen kind."""
+    from flashport.kernels import tuning
+    monkeypatch.setenv("FLASHPORT_GQA_GROUP_LOOP", "1")
+    monkeypatch.setattr(tuning, "INTERPRETER_CONFIG", tuning.KernelConfig(16, 16, 4, 1, split=split))
+    check_dense("triton", case)
+    r = check_case("triton", VARLEN[0], torch.float32, "cpu")
+    assert r.status == "PASS" and "dq dk dv" in r.checked, r
+
+
 @pytest.mark.parametrize("sq,sk", [(0, 5), (5, 0), (1, 1)], ids=str)
 def test_empty_sequences(sq, sk):
     q = torch.randn(2, sq, 2, 16, requires_grad=True)
