@@ -157,6 +157,11 @@ class _Ranged:
 
 
 _profiling = torch.autograd._profiler_enabled
+
+
+def profiling() -> bool:
+    """Whether a PyTorch profiler is recording (one C call)."""
+    return _profiling()
 _record_enter = torch.ops.profiler._record_function_enter_new
 _record_exit = torch.ops.profiler._record_function_exit
 try:

@@ -282,3 +282,53 @@ def test_half_precision_runs_in_float32_where_it_must_or_should(dtype, extra):
         do = torch.randn(out.shape, generator=g, dtype=torch.float64)
         for a, b in zip(torch.autograd.grad(out, leaves, do.to(dtype)), torch.autograd.grad(ref, refs, do)):
             torch.testing.assert_close(a.double(), b, **tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("causal,hkv", [(False, 4), (True, 4), (True, 2)], ids=["dense", "causal", "causal-gqa"])
+def test_native_autograd_path_gives_the_general_paths_gradients(dtype, causal, hkv, monkeypatch):
+    # The common training call runs the aten op under PyTorch's own derivative formula (SdpaCpuBackend.run): the
+    # same kernels as the Python autograd node's, so bitwise the same results, and its backward is still counted.
+    from flashport.backend import sdpa_cpu
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(2, 24, 4, 16, generator=g).to(dtype)
+    k, v = (torch.randn(2, 24, hkv, 16, generator=g).to(dtype) for _ in range(2))
+    do = torch.randn(2, 24, 4, 16, generator=g).to(dtype)
+
+    def run():
+        x = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = flashport.attention(*x, causal=causal, backend=NAME)
+        out.backward(do)
+        return out.detach(), *(t.grad for t in x)
+
+    flashport.reset_stats()
+    native = run()
+    row = flashport.stats()[NAME]
+    assert row["forward"] == 1 and row["backward"] == 1 and row["flops"] > 0
+    asked = []
+    real = sdpa_cpu._native_autograd
+    monkeypatch.setattr(sdpa_cpu, "_native_autograd", lambda spec, inputs: asked.append(real(spec, inputs)) or False)
+    general = run()
+    assert asked == [True]   # the call was one the native path serves
+    for a, b in zip(native, general):
+        assert torch.equal(a, b)
+
+
+def test_native_autograd_path_is_not_taken_where_it_would_differ():
+    from flashport.backend import sdpa_cpu
+    q = torch.randn(1, 8, 2, 16, requires_grad=True)
+    k = torch.randn(1, 12, 2, 16, requires_grad=True)
+
+    def native(**kw):
+        spec, inputs = dense_spec(q, k, k, **{**dict(causal=False, softmax_scale=None, window_size=(-1, -1),
+                                                    softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                                                    deterministic=False, return_lse=False), **kw})
+        return sdpa_cpu._native_autograd(spec, inputs)
+
+    assert native()
+    assert not native(causal=True)            # Sq < Sk: bottom-right, two kernel calls merged
+    assert not native(return_lse=True)        # the op's lse has no gradient
+    assert not native(window_size=(3, 0))     # bands
+    assert not native(alibi_slopes=torch.ones(2))
+    with torch.autograd.profiler.profile():   # the general path brackets the backward in its range
+        assert not native()
