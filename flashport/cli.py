@@ -299,7 +299,7 @@ def cmd_tune(args) -> int:
     if device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     torch.cuda.set_device(device)
-    suites = ("standard", "models") if args.suite == "all" else (args.suite,)
+    suites = ("standard", "models", "workloads") if args.suite == "all" else (args.suite,)
     shapes = [s for name in suites for s in gpu_suite(name, args.quick)
               if args.match is None or re.search(args.match, s.label())]
     path, rows = tune(shapes, device, args.out, rounds=args.rounds)
@@ -341,7 +341,9 @@ def main(argv=None) -> int:
     from .bench import add_arguments
     add_arguments(pb)
     pt = sub.add_parser("tune", help="measure every eligible backend on this card and write the selection table")
-    pt.add_argument("--suite", choices=("standard", "models", "all"), default="all")
+    pt.add_argument("--suite", choices=("standard", "models", "workloads", "all"), default="all",
+                    help="the bench suites whose dense shapes are measured (workloads: GQA training, sliding "
+                         "windows, head dims 72 / 80 / 96, MLA 192/128, D=256)")
     pt.add_argument("--quick", action="store_true", help="the suites' smoke sizes")
     pt.add_argument("--device", default=None, help="cuda[:N] (default: cuda if available)")
     pt.add_argument("--match", default=None, metavar="REGEX",
