@@ -153,6 +153,7 @@ def main(argv=None) -> int:
             f"block_mask={c['block'] and c['mask'] != 'none'}", 0) + 1
         if log:
             log.write(json.dumps({**c, **r}) + "\n")
+            log.flush()   # a run cut by its time limit keeps every case it finished
         if r["status"] == "FAIL":
             print(f"FAIL seed={a.seed} index={i}: {c} {r['problems']}", flush=True)
     print(f"mods fuzz: {a.n - fails - skips}/{a.n} PASS, {fails} FAIL, {skips} SKIP on {a.backend} ({a.device}), "
