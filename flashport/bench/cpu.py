@@ -21,6 +21,7 @@ import os
 import resource
 import subprocess
 import sys
+import statistics
 import tempfile
 import time
 from dataclasses import asdict, replace
@@ -174,13 +175,17 @@ def worker(cfg: CpuConfig, out_path: str) -> dict:
         # different loads on a shared machine (the same kernel measured 0.5x-1.3x of itself that way).
         peer = _impl(replace(cfg, impl="sdpa-cpu"), scale)
         mine, theirs = [], []
-        # alternated rounds until each side has run ~1 s (at least 3, at most 25): the minimum of many short runs
-        while len(mine) < 3 or (len(mine) < 25 and sum(mine) + sum(theirs) < 2.0):
-            for fn, acc in ((impl, mine), (peer, theirs)):
+        # alternated rounds until each side has run ~1 s (at least 5, at most 25), the order swapped every round (the
+        # second of a pair runs on the caches and clocks the first left): the minimum of many short runs, and the
+        # median of the rounds' own ratios beside it
+        while len(mine) < 5 or (len(mine) < 25 and sum(mine) + sum(theirs) < 2.0):
+            pair = ((impl, mine), (peer, theirs))
+            for fn, acc in pair if len(mine) % 2 == 0 else pair[::-1]:
                 t0 = time.perf_counter()
                 run_step(fn, q, k, v, do)
                 acc.append(time.perf_counter() - t0)
         rec["paired"] = {"self_s": min(mine), "sdpa_cpu_s": min(theirs), "vs_sdpa_cpu": min(theirs) / min(mine),
+                         "median_round_ratio": statistics.median(t / m for m, t in zip(mine, theirs)),
                          "rounds": len(mine)}
     if cfg.s <= cfg.fp64_check_max_s:
         left, right = cfg.window
