@@ -5,7 +5,7 @@ import torch
 
 from . import ops, plan_cache, serve
 from .merge import merge_states_torch, validate_states
-from .spec import dense_spec, kvcache_spec, varlen_spec
+from .spec import dense_spec, kvcache_inputs, kvcache_spec, varlen_spec
 
 # Under torch.compile each entry point is one custom op (flashport/ops.py): Dynamo never traces this module's
 # Python, and backend selection runs when the compiled graph runs, not at trace time.
@@ -86,8 +86,15 @@ def attention_with_kvcache(q, k_cache, v_cache, k=None, v=None, *, cache_seqlens
               window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes, return_lse=return_lse)
     if _compiling():
         return ops.attention_with_kvcache(q, k_cache, v_cache, k, v, backend=backend, **kw)
+    key = plan_cache.kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale,
+                                 window_size, softcap, alibi_slopes, return_lse, backend)
+    hit = plan_cache.get(key)
+    if hit is not None:   # described before: only the checks of memory and contents run again
+        inputs, append = kvcache_inputs(hit.spec, q, k_cache, v_cache, k, v, cache_seqlens, block_table)
+        return _finish(*serve.kvcache_call(hit.spec, inputs, append, k_cache, v_cache, backend, launched=hit),
+                       return_lse)
     spec, inputs, append = kvcache_spec(q, k_cache, v_cache, k, v, **kw)
-    return _finish(*serve.kvcache_call(spec, inputs, append, k_cache, v_cache, backend), return_lse)
+    return _finish(*serve.kvcache_call(spec, inputs, append, k_cache, v_cache, backend, key=key), return_lse)
 
 
 def merge_attention_states(outs, lses):

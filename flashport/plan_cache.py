@@ -9,7 +9,8 @@ backend registered, a table loaded, a quarantine) clears the cache through dispa
 
 Only the common call is cached: plain tensors, no ALiBi slopes, no dropout (each call draws a seed), no
 programmable mods, no plan that warns of a slow GPU path.  Everything else takes the full path every time.
-"""
+KV-cache calls are cached the same way (kvcache_key); a hit still runs the checks that the tensors' memory and
+contents decide (spec.kvcache_inputs: the append's aliasing, the index tensors' values where content checks are on)."""
 from __future__ import annotations
 
 import torch
@@ -44,6 +45,41 @@ def dense_key(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes
     return (qs, ks, vs, q.dtype, k.dtype, v.dtype, q.device, k.device, v.device, grad,
             q.stride(3) == 1, k.stride(3) == 1, v.stride(3) == 1, causal, softmax_scale, window_size, softcap,
             deterministic, return_lse, backend, _forced(), env.state_key())
+
+
+def _described(t):
+    """(shape, dtype, device) of an optional plain tensor (None: absent); False where it is something else."""
+    if t is None:
+        return None
+    if t.__class__ is not _Tensor:
+        return False
+    return t.shape, t.dtype, t.device
+
+
+def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, softmax_scale, window_size, softcap,
+                alibi_slopes, return_lse, backend):
+    """A KV-cache call's description (as dense_key's, with the caches, the new tokens and the index tensors), or
+    None where the cache does not serve the call: ALiBi, a Python int as cache_seqlens, or a tensor that requires
+    grad (the full path raises for it)."""
+    if (q.__class__ is not _Tensor or k_cache.__class__ is not _Tensor or v_cache.__class__ is not _Tensor
+            or alibi_slopes is not None or cache_seqlens.__class__ is not _Tensor or causal.__class__ is not bool
+            or return_lse.__class__ is not bool or window_size.__class__ is not tuple
+            or softcap.__class__ not in _NUMBER
+            or not (softmax_scale is None or softmax_scale.__class__ in _NUMBER)
+            or not (backend is None or backend.__class__ is str)):
+        return None
+    if len(window_size) != 2 or window_size[0].__class__ is not int or window_size[1].__class__ is not int:
+        return None
+    new = _described(k), _described(v)
+    if False in new or (_is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v))):
+        return None
+    table = _described(block_table)
+    if table is False or q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+        return None
+    return ("kvcache", q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, v_cache.dtype, q.device,
+            k_cache.device, v_cache.device, *new, _described(cache_seqlens), table, q.stride(3) == 1,
+            k_cache.stride(3) == 1, v_cache.stride(3) == 1, causal, softmax_scale, window_size, softcap, return_lse,
+            backend, _forced(), env.state_key())
 
 
 def get(key):

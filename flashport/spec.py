@@ -367,6 +367,16 @@ def varlen_spec(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
 def kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causal, softmax_scale,
                  window_size, softcap, alibi_slopes, return_lse) -> tuple[AttnSpec, AttnInputs, tuple]:
     """Returns (spec, inputs, append) where append = (k, v, cache_seqlens) still to be written."""
+    spec = kvcache_description(q, k_cache, v_cache, k, v, cache_seqlens=cache_seqlens, block_table=block_table,
+                               causal=causal, softmax_scale=softmax_scale, window_size=window_size, softcap=softcap,
+                               alibi_slopes=alibi_slopes, return_lse=return_lse)
+    return (spec, *kvcache_inputs(spec, q, k_cache, v_cache, k, v, cache_seqlens, block_table, alibi_slopes))
+
+
+def kvcache_description(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causal, softmax_scale,
+                        window_size, softcap, alibi_slopes, return_lse) -> AttnSpec:
+    """The checks a KV-cache call's description decides (types, ranks, shapes, dtypes, devices, options) -> its
+    spec.  What the tensors' memory and contents decide is kvcache_inputs' (run on every call, cached or not)."""
     for t, n in ((q, "q"), (k_cache, "k_cache"), (v_cache, "v_cache")):
         _tensor(t, n)
     _rank(q, "q", 4, "[B, Sq, Hq, D]")
@@ -388,14 +398,8 @@ def kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causa
             raise ValueError(f"block_table must be [B={b}, max_blocks], got {tuple(block_table.shape)}")
         if block_table.device != q.device:
             raise ValueError(f"block_table must be on q's device {q.device}, got {block_table.device}")
-        block_table = _index(block_table)
         page = k_cache.shape[1]
         capacity = block_table.shape[1] * page
-        if content_checks_enabled(q.device) and block_table.numel():
-            bt = block_table.detach().cpu()
-            if bt.min().item() < 0 or bt.max().item() >= k_cache.shape[0]:
-                raise ValueError(f"block_table entries must be in [0, {k_cache.shape[0]}), got "
-                                 f"[{bt.min().item()}, {bt.max().item()}]")
     else:
         if k_cache.shape[0] != b:
             raise ValueError(f"k_cache batch {k_cache.shape[0]} must equal q batch {b}")
@@ -418,17 +422,12 @@ def kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causa
             raise ValueError(f"k {tuple(k.shape)} / v {tuple(v.shape)} must be [B={b}, S_new, Hkv, D|Dv] "
                              f"matching the cache")
         s_new = k.shape[1]
-        _check_append_aliasing(k_cache, v_cache, k, v)
         if cache_seqlens is None:
             raise ValueError("cache_seqlens is required when appending k/v (where would they go?)")
         if s_new > capacity:
             raise ValueError(f"cache too small for the append: S_new={s_new} > capacity {capacity}")
 
-    if cache_seqlens is None:
-        seqlens = None
-    else:
-        if _is_int(cache_seqlens):
-            cache_seqlens = torch.full((b,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+    if cache_seqlens is not None and not _is_int(cache_seqlens):
         _tensor(cache_seqlens, "cache_seqlens")
         if cache_seqlens.dtype != torch.int32:
             raise TypeError(f"cache_seqlens must be int32, got {cache_seqlens.dtype}")
@@ -436,15 +435,6 @@ def kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causa
             raise ValueError(f"cache_seqlens must be [B={b}], got {tuple(cache_seqlens.shape)}")
         if cache_seqlens.device != q.device:
             raise ValueError(f"cache_seqlens must be on q's device {q.device}")
-        cache_seqlens = _index(cache_seqlens)
-        if content_checks_enabled(q.device):
-            cs = cache_seqlens.detach().cpu()
-            if cs.numel() and (cs.min().item() < 0 or cs.max().item() + s_new > capacity):
-                raise ValueError(f"cache_seqlens + S_new must be in [0, {capacity}] (cache too small for "
-                                 f"the append), got max {cs.max().item()} + {s_new}")
-        seqlens = cache_seqlens + s_new if s_new else cache_seqlens
-    if seqlens is None and paged:
-        seqlens = torch.full((b,), capacity, dtype=torch.int32, device=q.device)
 
     opts = _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, 0.0, False,
                    return_lse, b, hq, sq + capacity)
@@ -454,9 +444,40 @@ def kvcache_spec(q, k_cache, v_cache, k, v, *, cache_seqlens, block_table, causa
                     page_block_size=page, new_kv=s_new, **opts)
     if k_cache.stride(-1) != 1 or v_cache.stride(-1) != 1:
         raise ValueError("k_cache and v_cache need unit stride in the last dimension (written in place)")
+    return spec
+
+
+def kvcache_inputs(spec: AttnSpec, q, k_cache, v_cache, k, v, cache_seqlens, block_table,
+                   alibi_slopes=None) -> tuple[AttnInputs, tuple]:
+    """A described KV-cache call's per-call part: the append's aliasing (memory) and, where content checks are on,
+    the index tensors' values -> (inputs, append = (k, v, cache_seqlens) still to be written)."""
+    b, capacity, s_new = spec.batch, spec.seqlen_k, spec.new_kv
+    if block_table is not None:
+        block_table = _index(block_table)
+        if content_checks_enabled(q.device) and block_table.numel():
+            bt = block_table.detach().cpu()
+            if bt.min().item() < 0 or bt.max().item() >= k_cache.shape[0]:
+                raise ValueError(f"block_table entries must be in [0, {k_cache.shape[0]}), got "
+                                 f"[{bt.min().item()}, {bt.max().item()}]")
+    if k is not None:
+        _check_append_aliasing(k_cache, v_cache, k, v)
+    if cache_seqlens is None:
+        seqlens = None
+    else:
+        if _is_int(cache_seqlens):
+            cache_seqlens = torch.full((b,), int(cache_seqlens), dtype=torch.int32, device=q.device)
+        cache_seqlens = _index(cache_seqlens)
+        if content_checks_enabled(q.device):
+            cs = cache_seqlens.detach().cpu()
+            if cs.numel() and (cs.min().item() < 0 or cs.max().item() + s_new > capacity):
+                raise ValueError(f"cache_seqlens + S_new must be in [0, {capacity}] (cache too small for "
+                                 f"the append), got max {cs.max().item()} + {s_new}")
+        seqlens = cache_seqlens + s_new if s_new else cache_seqlens
+    if seqlens is None and spec.paged:
+        seqlens = torch.full((b,), capacity, dtype=torch.int32, device=q.device)
     inputs = AttnInputs(_last_dim_contiguous(q), k_cache, v_cache, alibi_slopes=alibi_slopes,
                         seqlens_k=seqlens, block_table=block_table)
-    return spec, inputs, (k, v, cache_seqlens)
+    return inputs, (k, v, cache_seqlens)
 
 
 def _check_append_aliasing(k_cache, v_cache, k, v) -> None:

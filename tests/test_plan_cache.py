@@ -185,3 +185,78 @@ def test_a_hit_gives_what_a_miss_gives_over_random_calls(seed):
     for a, b_, c in zip([*first[0], *first[1]], [*second[0], *second[1]], [*uncached[0], *uncached[1]]):
         torch.testing.assert_close(b_, a, rtol=0, atol=0, equal_nan=True)
         torch.testing.assert_close(c, a, rtol=0, atol=0, equal_nan=True)
+
+
+# ----------------------------------------------------------------------------- KV-cache calls
+def _kv_state(seed, paged=False, b=2, cap=24, hkv=2, d=16):
+    g = torch.Generator().manual_seed(seed)
+    if paged:
+        kc, vc = (torch.randn(2 * b * cap // 8, 8, hkv, d, generator=g) for _ in range(2))
+        table = torch.randperm(2 * b * cap // 8, generator=g)[:b * cap // 8].reshape(b, cap // 8).to(torch.int32)
+    else:
+        kc, vc = (torch.randn(b, cap, hkv, d, generator=g) for _ in range(2))
+        table = None
+    return kc, vc, table
+
+
+def _kv_call(seed, kc, vc, table, b=2, cap=24, hkv=2, d=16):
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    sq = rng.choice([1, 1, 3])
+    s_new = rng.choice([0, 1, sq])
+    q = torch.randn(b, sq, 2 * hkv, d, generator=g)
+    k, v = (torch.randn(b, s_new, hkv, d, generator=g) for _ in range(2)) if s_new else (None, None)
+    lens = torch.tensor([rng.randint(0, cap - s_new) for _ in range(b)], dtype=torch.int32)
+    kw = dict(cache_seqlens=lens, block_table=table, causal=rng.random() < 0.5,
+              window_size=rng.choice([(-1, -1), (4, 0)]), return_lse=rng.random() < 0.5)
+    return (q, kc, vc, k, v), kw
+
+
+@pytest.mark.parametrize("paged", [False, True], ids=["dense", "paged"])
+def test_kvcache_calls_give_the_same_results_and_appends_cached_or_not(paged, monkeypatch):
+    described = [0]
+    real = api.kvcache_spec
+    monkeypatch.setattr(api, "kvcache_spec", lambda *a, **kw: described.__setitem__(0, described[0] + 1) or real(*a, **kw))
+    states = [_kv_state(3, paged) for _ in range(2)]
+    for i in range(30):
+        results = []
+        for n, (kc, vc, table) in enumerate(states):   # state 0 through the cache, state 1 uncached
+            args, kw = _kv_call(100 + i, kc, vc, table)
+            with monkeypatch.context() as m:
+                if n == 1:   # never cached
+                    m.setattr(plan_cache, "kvcache_key", lambda *a: None)
+                results.append(flashport.attention_with_kvcache(*args, **kw))
+        for a, b in zip(*(r if isinstance(r, tuple) else (r,) for r in results)):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+        for a, b in zip(states[0][:2], states[1][:2]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)   # the same appends
+    assert 30 < described[0] < 2 * 30   # state 0's repeated descriptions were not validated again
+
+
+def test_a_cached_kvcache_description_still_checks_memory_and_contents():
+    kc, vc, _ = _kv_state(0)
+    q, k = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16)
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    flashport.attention_with_kvcache(q, kc, vc, k, k.clone(), cache_seqlens=lens)
+    assert plan_cache._cache   # described and kept
+    with pytest.raises(ValueError, match="cache_seqlens"):   # contents: past the capacity
+        flashport.attention_with_kvcache(q, kc, vc, k, k.clone(), cache_seqlens=torch.tensor([3, 24], dtype=torch.int32))
+    with pytest.raises(ValueError, match="overlaps k_cache"):   # memory: the new tokens alias the cache
+        flashport.attention_with_kvcache(q, kc, vc, kc[:, :1], k.clone(), cache_seqlens=lens)
+    with pytest.raises(TypeError, match="cache_seqlens must be int32"):
+        flashport.attention_with_kvcache(q, kc, vc, k, k.clone(), cache_seqlens=lens.long())
+    with pytest.raises(ValueError, match="inference-only"):
+        flashport.attention_with_kvcache(q.requires_grad_(), kc, vc, k, k.clone(), cache_seqlens=lens)
+
+
+def test_a_cached_kvcache_call_that_fails_leaves_the_cache_as_it_was(monkeypatch):
+    kc, vc, _ = _kv_state(1)
+    q, k, v = torch.randn(2, 1, 4, 16), torch.randn(2, 1, 2, 16), torch.randn(2, 1, 2, 16)
+    lens = torch.tensor([3, 5], dtype=torch.int32)
+    flashport.attention_with_kvcache(q, kc, vc, k, v, cache_seqlens=lens)
+    before = kc.clone(), vc.clone()
+    backend = dispatch.get("sdpa-cpu")
+    monkeypatch.setattr(backend, "forward", lambda spec, inputs: (_ for _ in ()).throw(RuntimeError("boom")))
+    with pytest.raises(RuntimeError, match="boom"):
+        flashport.attention_with_kvcache(q, kc, vc, k * 2, v * 2, cache_seqlens=lens)   # a hit: same description
+    torch.testing.assert_close(kc, before[0], rtol=0, atol=0)
+    torch.testing.assert_close(vc, before[1], rtol=0, atol=0)
