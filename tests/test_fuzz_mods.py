@@ -26,6 +26,17 @@ def test_blockwise_passes_150_fuzzed_programmable_calls():
     assert not failed, f"replay with flashport.fuzz.mods.run(draw(seed, index)): {failed[:5]}"
 
 
+def test_auto_passes_fuzzed_programmable_calls():
+    # backend=None: auto's choice per case (sdpa-cpu where it serves the mods, else blockwise) after its input check
+    failed = []
+    for i in range(40):
+        c = fuzz_mods.draw(SEED, i)
+        r = fuzz_mods.run(c, None, "cpu")
+        if r["status"] != "PASS":
+            failed.append((c["seed"], c["index"], r["problems"]))
+    assert not failed, failed[:5]
+
+
 def test_the_fuzzer_catches_a_wrong_bias_gradient(monkeypatch):
     """A defect in the chain through the mods (a gradient 1% off) must fail the rule: the check can fail."""
     from flashport.backend import blockwise

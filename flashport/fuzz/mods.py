@@ -76,8 +76,9 @@ def _mods(c: dict, g: torch.Generator, device):
     return score, mask, bias, table
 
 
-def run(c: dict, backend: str = "blockwise", device="cpu") -> dict:
-    """-> {"status": "PASS" | "FAIL", "worst": ratio of error to bound, "problems": [...]}."""
+def run(c: dict, backend: str | None = "blockwise", device="cpu") -> dict:
+    """-> {"status": "PASS" | "FAIL", "worst": ratio of error to bound, "problems": [...]}; backend None: auto's
+    choice (each case's whole call, its input check included)."""
     import flashport
     g = torch.Generator().manual_seed(c["data_seed"])
     dtype = getattr(torch, c["dtype"])
@@ -133,7 +134,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--n", type=int, default=200)
     ap.add_argument("--seed", type=int, default=20261206)
-    ap.add_argument("--backend", default="blockwise")
+    ap.add_argument("--backend", default="blockwise", help="a backend's name, or auto (backend=None)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--log", default=None, help="JSON lines: one case and its verdict per line")
     ap.add_argument("--all-features", action="store_true",
@@ -143,8 +144,9 @@ def main(argv=None) -> int:
     log = open(a.log, "w") if a.log else None
     for i in range(a.n):
         c = draw(a.seed, i)
-        c = c if a.all_features else served(c, a.backend)
-        r = run(c, a.backend, a.device)
+        backend = None if a.backend == "auto" else a.backend
+        c = c if a.all_features or backend is None else served(c, backend)
+        r = run(c, backend, a.device)
         fails += r["status"] == "FAIL"
         skips += r["status"] == "SKIP"
         for key in ("mask", "score", "bias"):

@@ -21,9 +21,10 @@ N_FLEX = int(os.environ.get("FLASHPORT_MODS_FUZZ_N_FLEX", "40"))
 N_TRITON = int(os.environ.get("FLASHPORT_MODS_FUZZ_N_TRITON", "100"))
 
 
-@pytest.mark.parametrize("backend", ["blockwise", "flex", "triton"])
+@pytest.mark.parametrize("backend", ["blockwise", "flex", "triton", None], ids=["blockwise", "flex", "triton", "auto"])
 def test_mods_fuzz_on_cuda(backend):
-    n = {"flex": N_FLEX, "triton": N_TRITON}.get(backend, N)
+    # auto (None): the compiled mods where they compile, blockwise where the generator refuses
+    n = {"flex": N_FLEX, "triton": N_TRITON, None: N_TRITON}.get(backend, N)
     results = [fuzz_mods.run(fuzz_mods.draw(20261206, i), backend, "cuda") for i in range(n)]
     fails = [(i, r["problems"]) for i, r in enumerate(results) if r["status"] == "FAIL"]
     passed = sum(r["status"] == "PASS" for r in results)
