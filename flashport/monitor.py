@@ -156,12 +156,8 @@ class _Ranged:
         return False
 
 
-_profiling = torch.autograd._profiler_enabled
-
-
-def profiling() -> bool:
-    """Whether a PyTorch profiler is recording (one C call)."""
-    return _profiling()
+# Whether a PyTorch profiler is recording (one C call); `profiling` for other modules.
+_profiling = profiling = torch.autograd._profiler_enabled
 _record_enter = torch.ops.profiler._record_function_enter_new
 _record_exit = torch.ops.profiler._record_function_exit
 try:

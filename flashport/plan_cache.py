@@ -26,17 +26,22 @@ _cache: dict = {}
 SIZE = 4096   # descriptions remembered; the oldest half is dropped beyond it (a server sees many lengths)
 
 
+def _plain_options(causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, backend) -> bool:
+    """Whether the options every cached entry point shares are of exactly the types the contract accepts, with no
+    ALiBi slopes (anything else takes the full path, which validates it)."""
+    return (alibi_slopes is None and causal.__class__ is bool and return_lse.__class__ is bool
+            and window_size.__class__ is tuple and len(window_size) == 2 and window_size[0].__class__ is int
+            and window_size[1].__class__ is int and softcap.__class__ in _NUMBER
+            and (softmax_scale is None or softmax_scale.__class__ in _NUMBER)
+            and (backend is None or backend.__class__ is str))
+
+
 def dense_key(q, k, v, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p, deterministic,
               return_lse, backend):
     """The call's description, or None where the call is not one the cache serves."""
     if (q.__class__ is not _Tensor or k.__class__ is not _Tensor or v.__class__ is not _Tensor
-            or alibi_slopes is not None or causal.__class__ is not bool or deterministic.__class__ is not bool
-            or return_lse.__class__ is not bool or window_size.__class__ is not tuple
-            or softcap.__class__ not in _NUMBER or dropout_p.__class__ not in _NUMBER or dropout_p
-            or not (softmax_scale is None or softmax_scale.__class__ in _NUMBER)
-            or not (backend is None or backend.__class__ is str)):
-        return None
-    if len(window_size) != 2 or window_size[0].__class__ is not int or window_size[1].__class__ is not int:
+            or deterministic.__class__ is not bool or dropout_p.__class__ not in _NUMBER or dropout_p
+            or not _plain_options(causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, backend)):
         return None
     qs, ks, vs = q.shape, k.shape, v.shape
     if len(qs) != 4 or len(ks) != 4 or len(vs) != 4:
@@ -62,19 +67,13 @@ def kvcache_key(q, k_cache, v_cache, k, v, cache_seqlens, block_table, causal, s
     None where the cache does not serve the call: ALiBi, a Python int as cache_seqlens, or a tensor that requires
     grad (the full path raises for it)."""
     if (q.__class__ is not _Tensor or k_cache.__class__ is not _Tensor or v_cache.__class__ is not _Tensor
-            or alibi_slopes is not None or cache_seqlens.__class__ is not _Tensor or causal.__class__ is not bool
-            or return_lse.__class__ is not bool or window_size.__class__ is not tuple
-            or softcap.__class__ not in _NUMBER
-            or not (softmax_scale is None or softmax_scale.__class__ in _NUMBER)
-            or not (backend is None or backend.__class__ is str)):
+            or cache_seqlens.__class__ is not _Tensor
+            or not _plain_options(causal, softmax_scale, window_size, softcap, alibi_slopes, return_lse, backend)):
         return None
-    if len(window_size) != 2 or window_size[0].__class__ is not int or window_size[1].__class__ is not int:
+    new, table = (_described(k), _described(v)), _described(block_table)
+    if False in new or table is False or q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
         return None
-    new = _described(k), _described(v)
-    if False in new or (_is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v))):
-        return None
-    table = _described(block_table)
-    if table is False or q.dim() != 4 or k_cache.dim() != 4 or v_cache.dim() != 4:
+    if _is_grad_enabled() and any(t is not None and t.requires_grad for t in (q, k_cache, v_cache, k, v)):
         return None
     return ("kvcache", q.shape, k_cache.shape, v_cache.shape, q.dtype, k_cache.dtype, v_cache.dtype, q.device,
             k_cache.device, v_cache.device, *new, _described(cache_seqlens), table, q.stride(3) == 1,

@@ -135,13 +135,12 @@ def backward_only(spec, inputs, backend, state, out, lse, dout, dlse):
 def kvcache_call(spec, inputs, append, k_cache, v_cache, backend, key=None, launched=None):
     """key: the call's plan_cache description (its Launch is kept); launched: the Launch of a cached description."""
     k_new, v_new, cache_seqlens = append
-    if launched is None:
+    if launched is None:   # (its numbers read only the tensors' shapes, which the content guard leaves alone)
         plan, fallback = dispatch.select_counted(spec, backend)  # a rejected call writes nothing into the cache
-    table = inputs.block_table   # as given (the append skips out-of-range entries itself), before guard clamps it
-    inputs = guard_contents(spec, inputs, cache_seqlens)
-    if launched is None:
         launched = launch(spec, inputs, plan, fallback)
         plan_cache.put(key, launched)
+    table = inputs.block_table   # as given (the append skips out-of-range entries itself), before guard clamps it
+    inputs = guard_contents(spec, inputs, cache_seqlens)
     with torch.no_grad():
         # The slots the append overwrites come back, so a call that fails after it leaves the cache as it was.
         saved = append_kv(k_cache, v_cache, k_new, v_new, cache_seqlens, table, save=True)

@@ -19,9 +19,9 @@ from __future__ import annotations
 import json
 import os
 import resource
+import statistics
 import subprocess
 import sys
-import statistics
 import tempfile
 import time
 from dataclasses import asdict, replace
