@@ -9,15 +9,10 @@
 #   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; issue [14]: the fa4 fuzz tier re-run on the narrowed
 #          capabilities, the kvcache fuzz tier on triton, the programmable suite's FA4 columns, and the workloads suite
 #          with our kernels alone (flashport-triton) beside backend=None and FA4 (issue [8]'s cells too)
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-R=/tmp/s17_$PART; rm -rf "$R"; mkdir -p "$R"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-save() { tar -C /tmp -czf "$OUT/$PART.tgz" "s17_$PART"; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/card.txt"
+SESSION=s17; . "$(dirname "$0")/session.sh"
 case "$PART" in
 a)
-  mkdir -p /tmp/fa4 && xz -dc .fa4a/ir.so.xz > /tmp/fa4/ir.so && echo "fa4 step 1 done"
+  fa4_step1
   FLASHPORT_MODS_FUZZ_N=${MODS_N:-150} timeout ${PROG_SECONDS:-150} python -m pytest -q -s -p no:logging \
       -p no:cacheprovider --tb=short tests/gpu/test_programmable_gpu.py > "$R/programmable_gpu.log" 2>&1
   echo "programmable tier rc=$?"; grep -E "PASS|passed|failed|^FAILED|^E " "$R/programmable_gpu.log" | head -20; save
@@ -33,9 +28,7 @@ a)
   echo "gpu tier rc=$?"; grep -E "passed|failed|^FAILED|^E " "$R/gpu_tier.log" | head -20
   ;;
 b)
-  bash .fa4b/install.sh 2>&1 | tail -3 | tee "$R/fa4_install.log"
-  export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
-  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_kernel_cache
+  fa4_step2
   timeout ${FUZZ_SECONDS:-100} python -m flashport.fuzz --backend fa4 --n ${FUZZ_N:-400} --dtype bfloat16,float16 \
       --device cuda --entries attention,varlen --max-seconds $(( ${FUZZ_SECONDS:-100} - 20 )) \
       --log "$R/fa4_fuzz.jsonl" 2>&1 | grep -v "aux_data\|exe_args" | tail -25 > "$R/fa4_fuzz.log"

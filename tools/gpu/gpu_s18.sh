@@ -9,15 +9,10 @@
 #   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; the programmable suite's FA4 columns (Flex FLASH, FA4's
 #          built-ins); `flashport tune --suite workloads` with FA4 eligible, merged into the shipped table, and the
 #          workloads' dense cells with --auto-vs-best
-set -uo pipefail
-cd "$(dirname "$0")/../.."
-R=/tmp/s18_$PART; rm -rf "$R"; mkdir -p "$R"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-save() { tar -C /tmp -czf "$OUT/$PART.tgz" "s18_$PART"; }
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/card.txt"
+SESSION=s18; . "$(dirname "$0")/session.sh"
 case "$PART" in
 a)
-  mkdir -p /tmp/fa4 && xz -dc .fa4a/ir.so.xz > /tmp/fa4/ir.so && echo "fa4 step 1 done"
+  fa4_step1
   mkdir -p "$R/programmable"
   timeout ${SUITE_SECONDS:-200} python -m flashport bench --suite programmable --out "$R/programmable" \
       --peers flashport-triton,flashport,flex,sdpa-mask > "$R/programmable/bench.log" 2>&1
@@ -48,9 +43,7 @@ EOF2
   echo "mods fuzz rc=$?"; tail -3 "$R/mods_triton.log"
   ;;
 b)
-  bash .fa4b/install.sh 2>&1 | tail -3 | tee "$R/fa4_install.log"
-  export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
-  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_kernel_cache
+  fa4_step2
   mkdir -p "$R/programmable" "$R/autobest"
   timeout ${FLASH_SECONDS:-170} python -m flashport bench --suite programmable --out "$R/programmable" \
       --peers flex-flash,fa4,builtin 2>&1 | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"

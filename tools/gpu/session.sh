@@ -1,0 +1,17 @@
+# Sourced by a session's device script (tools/gpu/gpu_sNN.sh) after `SESSION=sNN`, with PART set and $OUT the
+# device's return folder: runs from the repository root on the image's packages, results under $R, and
+#   save        rewrites $OUT/$PART.tgz from $R (call after every step: a call cut at its limit keeps what finished)
+#   fa4_step1   FA4's first half (carried as .fa4a): the compiled IR library, unpacked into /tmp/fa4
+#   fa4_step2   its second half (.fa4b, within 30 s on the same warm machine): installs it and puts it on PYTHONPATH
+set -uo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/../.."
+R=/tmp/${SESSION}_$PART; rm -rf "$R"; mkdir -p "$R"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
+save() { tar -C /tmp -czf "$OUT/$PART.tgz" "${SESSION}_$PART"; }
+fa4_step1() { mkdir -p /tmp/fa4 && xz -dc .fa4a/ir.so.xz > /tmp/fa4/ir.so && echo "fa4 step 1 done"; }
+fa4_step2() {
+  bash .fa4b/install.sh 2>&1 | tail -3 | tee "$R/fa4_install.log"
+  export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
+  export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_kernel_cache
+}
+nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/card.txt"
