@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The 19th session's device calls (the 18th session's plan, which got no machine, plus part c) (one warm machine; each part returns $OUT/<part>.tgz, rewritten after every step,
+# so a call cut at its limit still brings back what finished):
+#   PART=a (carry .fa4a): FA4 step 1; issue [15]: the programmable suite without the FA4 columns (the Triton kernels'
+#          table gradients and attn_bias timed against Flex; `flashport` = backend=None, which now serves compilable
+#          mods on the Triton kernels), the programmable GPU tier's flex tests (the 17th session's run failed one,
+#          its name cut off) and its auto-selection test, the mods fuzz on triton with attn_bias; issue [8]: the GQA
+#          dK/dV schedules (tools/gpu/gqa_loop_probe.py)
+#   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; the programmable suite's FA4 columns (Flex FLASH, FA4's
+#          built-ins); `flashport tune --suite workloads` with FA4 eligible, merged into the shipped table, and the
+#          workloads' dense cells with --auto-vs-best
+#   PART=c (within 30 s of b, same machine: FA4 stays installed under /tmp/fa4site): issue [14]'s
+#          `flashport check --backend fa4`; the whole GPU tier (tests/gpu) with its fuzz counts capped to fit one call
+SESSION=s19; . "$(dirname "$0")/session.sh"
+case "$PART" in
+a)
+  fa4_step1
+  mkdir -p "$R/programmable"
+  timeout ${SUITE_SECONDS:-200} python -m flashport bench --suite programmable --out "$R/programmable" \
+      --peers flashport-triton,flashport,flex,sdpa-mask > "$R/programmable/bench.log" 2>&1
+  echo "programmable suite rc=$?"; grep -v "Warning\|warn\|run/s" "$R/programmable/bench.log" | tail -24; save
+  timeout ${PROG_SECONDS:-60} python -m pytest -q -p no:logging -p no:cacheprovider --tb=short \
+      -k "auto_serves or recompile" tests/gpu/test_programmable_gpu.py > "$R/programmable_auto.log" 2>&1
+  echo "programmable tier (auto, recompiles) rc=$?"; grep -E "passed|failed|^FAILED|^E " "$R/programmable_auto.log" | head
+  # the tier's flex fuzz (the 17th session's failure): the same draws, each verdict printed as it comes
+  [ "${FLEX_SECONDS:-90}" = 0 ] || timeout ${FLEX_SECONDS:-90} python -m flashport.fuzz.mods --n 40 --backend flex --device cuda --all-features \
+      --log "$R/mods_flex.jsonl" > "$R/mods_flex.log" 2>&1
+  echo "flex fuzz rc=$?"; grep -v "Warning\|W1207\|warn" "$R/mods_flex.log" | cut -c1-600 | tail -8; save
+  [ "${GQA_SECONDS:-100}" = 0 ] || timeout ${GQA_SECONDS:-100} python tools/gpu/gqa_loop_probe.py --out "$R/gqa_loop.json" > "$R/gqa_loop.log" 2>&1
+  echo "gqa probe rc=$?"
+  python - "$R/gqa_loop.json" <<'EOF2'
+import json, sys
+try:
+    rows = json.load(open(sys.argv[1]))["rows"]
+except Exception as e:
+    print("no json:", e); sys.exit(0)
+for r in rows:
+    err = max(r.get("err_vs_fp32") or [float("nan")])
+    print(f"{r['cell']:12} {r['variant']:18} {r.get('ms', float('nan')):8.3f} ms {r.get('tflops', 0):6.1f} TF "
+          f"x{r.get('speedup_vs_partials', 1):.3f} err {err:.2e} {r.get('error', '')[:80]}")
+EOF2
+  save
+  [ "${MODS_SECONDS:-60}" = 0 ] || timeout ${MODS_SECONDS:-60} python -m flashport.fuzz.mods --n 40 --backend triton --device cuda \
+      --log "$R/mods_triton.jsonl" > "$R/mods_triton.log" 2>&1
+  echo "mods fuzz rc=$?"; tail -3 "$R/mods_triton.log"
+  ;;
+b)
+  fa4_step2
+  mkdir -p "$R/programmable" "$R/autobest"
+  timeout ${FLASH_SECONDS:-170} python -m flashport bench --suite programmable --out "$R/programmable" \
+      --peers flex-flash,fa4,builtin 2>&1 | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
+  echo "programmable FA4 columns rc=${PIPESTATUS[0]}"; tail -20 "$R/programmable/bench.log"; save
+  cp flashport/configs/selection-nvidia-h200.json "$R/table_before.json"
+  timeout ${TUNE_SECONDS:-200} python -m flashport tune --suite workloads --rounds 2 \
+      --out flashport/configs/selection-nvidia-h200.json > "$R/tune.log" 2>&1
+  echo "tune rc=$?"; grep -v "Warning\|warn" "$R/tune.log" | tail -14
+  cp flashport/configs/selection-nvidia-h200.json "$R/table_after.json"; save
+  timeout ${AUTO_SECONDS:-160} python -m flashport bench --suite workloads --auto-vs-best --rounds 3 \
+      --match "train|swa|gemma|phi3|vit|dit|mla|hdim256" --out "$R/autobest" > "$R/autobest/bench.log" 2>&1
+  echo "auto-vs-best rc=$?"; grep -v "Warning\|warn" "$R/autobest/bench.log" | tail -24
+  ;;
+c)
+  [ -d /tmp/fa4site ] && export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages \
+      FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_kernel_cache
+  timeout ${CHECK_SECONDS:-150} python -m flashport check --backend fa4 --device cuda 2>&1 \
+      | grep -v "aux_data\|exe_args\|Warning" > "$R/check_fa4.log"
+  echo "check fa4 rc=${PIPESTATUS[0]}"; tail -8 "$R/check_fa4.log"; save
+  FLASHPORT_FUZZ_N=${FUZZ_N:-150} FLASHPORT_MODS_FUZZ_N=${MODS_N:-60} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-20} \
+  FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-40} FLASHPORT_COMPILED_FUZZ_N=${COMPILED_N:-60} \
+      timeout ${TIER_SECONDS:-400} python -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rfE \
+      --durations=15 tests/gpu > "$R/gpu_tier.log" 2>&1
+  echo "gpu tier rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$R/gpu_tier.log" | cut -c1-300 | head -30
+  ;;
+esac
+save; ls -la "$OUT"
