@@ -9,8 +9,8 @@
 #   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; the programmable suite's FA4 columns (Flex FLASH, FA4's
 #          built-ins); `flashport tune --suite workloads` with FA4 eligible, merged into the shipped table, and the
 #          workloads' dense cells with --auto-vs-best
-#   PART=c (within 30 s of b, same machine: FA4 stays installed under /tmp/fa4site): issue [14]'s
-#          `flashport check --backend fa4`; the whole GPU tier (tests/gpu) with its fuzz counts capped to fit one call
+#   PART=c: issue [15]'s programmable GPU tier (mods fuzz on blockwise, flex and triton, block masks, table
+#          gradients), then the rest of the GPU tier with its fuzz counts capped to fit one call
 SESSION=s19; . "$(dirname "$0")/session.sh"
 case "$PART" in
 a)
@@ -60,15 +60,14 @@ b)
   echo "auto-vs-best rc=$?"; grep -v "Warning\|warn" "$R/autobest/bench.log" | tail -24
   ;;
 c)
-  [ -d /tmp/fa4site ] && export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages \
-      FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_kernel_cache
-  timeout ${CHECK_SECONDS:-150} python -m flashport check --backend fa4 --device cuda 2>&1 \
-      | grep -v "aux_data\|exe_args\|Warning" > "$R/check_fa4.log"
-  echo "check fa4 rc=${PIPESTATUS[0]}"; tail -8 "$R/check_fa4.log"; save
-  FLASHPORT_FUZZ_N=${FUZZ_N:-150} FLASHPORT_MODS_FUZZ_N=${MODS_N:-60} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-20} \
-  FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-40} FLASHPORT_COMPILED_FUZZ_N=${COMPILED_N:-60} \
-      timeout ${TIER_SECONDS:-400} python -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rfE \
-      --durations=15 tests/gpu > "$R/gpu_tier.log" 2>&1
+  FLASHPORT_MODS_FUZZ_N=${MODS_N:-100} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-40} FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-100} \
+      timeout ${PROG_SECONDS:-200} python -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rfE \
+      --durations=10 tests/gpu/test_programmable_gpu.py > "$R/programmable_gpu.log" 2>&1
+  echo "programmable tier rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$R/programmable_gpu.log" | cut -c1-300 | head -20
+  save
+  FLASHPORT_FUZZ_N=${FUZZ_N:-150} FLASHPORT_COMPILED_FUZZ_N=${COMPILED_N:-60} \
+      timeout ${TIER_SECONDS:-220} python -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rfE \
+      --durations=15 tests/gpu --deselect tests/gpu/test_programmable_gpu.py > "$R/gpu_tier.log" 2>&1
   echo "gpu tier rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$R/gpu_tier.log" | cut -c1-300 | head -30
   ;;
 esac
