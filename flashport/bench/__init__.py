@@ -166,12 +166,20 @@ def _programmable(device, args, stem, t0, load0) -> int:
         device = torch.device("cuda", torch.cuda.current_device())
     n = len(programmable.cases(device, args.quick)) * len(impls)
     bar, tick = _progress(n, "programmable: flashport vs Flex")
-    entries = programmable.run_suite(device, args.quick, impls, tick, args.match)
+    json_path, png_path = (os.path.join(args.out, stem + ext) for ext in (".json", ".png"))
+    n_cases = len({c.label() for c in programmable.cases(device, args.quick)
+                   if not args.match or re.search(args.match, c.label())})
+
+    def checkpoint(done):  # the JSON so far, marked partial: a cut run keeps what it measured
+        part = report.document("programmable", device, done, {}, time.perf_counter() - t0)
+        part["partial"] = f"{len({e['label'] for e in done})} of {n_cases} cases; the run stopped before the rest"
+        part["environment"]["loadavg_at_start"] = load0
+        report.write_json(part, json_path)
+    entries = programmable.run_suite(device, args.quick, impls, tick, args.match, checkpoint)
     if bar is not None:
         bar.close()
     doc = report.document("programmable", device, entries, {}, time.perf_counter() - t0)
     doc["environment"]["loadavg_at_start"] = load0
-    json_path, png_path = (os.path.join(args.out, stem + ext) for ext in (".json", ".png"))
     report.write_json(doc, json_path)
     programmable.plot(doc, png_path)
     print(programmable.table(entries))

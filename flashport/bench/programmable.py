@@ -177,8 +177,10 @@ def _varlen(case: Case, fn):
     return run
 
 
-def run_suite(device, quick: bool, impls, tick=lambda: None, match: Optional[str] = None) -> list[dict]:
-    """match: a regular expression; only the cases whose label it finds run (--match)."""
+def run_suite(device, quick: bool, impls, tick=lambda: None, match: Optional[str] = None,
+              checkpoint=None) -> list[dict]:
+    """match: a regular expression; only the cases whose label it finds run (--match).  checkpoint(entries) is
+    called after every case, so a run cut at a time limit keeps what it measured."""
     import re
 
     from .gpu import _err, _status
@@ -214,6 +216,9 @@ def run_suite(device, quick: bool, impls, tick=lambda: None, match: Optional[str
             except Exception as e:  # noqa: BLE001  (a peer that fails is a row with its reason, not a crash)
                 entries += [{**base, "mode": m, "status": _status(e), "error": _err(e)} for m in ("fwd", "bwd")]
             tick()
+        if checkpoint is not None:
+            _ratios(entries)
+            checkpoint(entries)
     _ratios(entries)
     return entries
 

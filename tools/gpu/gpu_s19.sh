@@ -47,15 +47,15 @@ EOF2
 b)
   fa4_step2
   mkdir -p "$R/programmable" "$R/autobest"
-  timeout ${FLASH_SECONDS:-170} python -m flashport bench --suite programmable --out "$R/programmable" \
-      --peers flex-flash,fa4,builtin 2>&1 | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
+  timeout ${FLASH_SECONDS:-200} python -m flashport bench --suite programmable --out "$R/programmable" \
+      --peers flashport,flex-flash,fa4,builtin 2>&1 | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
   echo "programmable FA4 columns rc=${PIPESTATUS[0]}"; tail -20 "$R/programmable/bench.log"; save
   cp flashport/configs/selection-nvidia-h200.json "$R/table_before.json"
-  timeout ${TUNE_SECONDS:-200} python -m flashport tune --suite workloads --rounds 2 \
+  timeout ${TUNE_SECONDS:-180} python -m flashport tune --suite workloads --rounds 2 \
       --out flashport/configs/selection-nvidia-h200.json > "$R/tune.log" 2>&1
   echo "tune rc=$?"; grep -v "Warning\|warn" "$R/tune.log" | tail -14
   cp flashport/configs/selection-nvidia-h200.json "$R/table_after.json"; save
-  timeout ${AUTO_SECONDS:-160} python -m flashport bench --suite workloads --auto-vs-best --rounds 3 \
+  timeout ${AUTO_SECONDS:-150} python -m flashport bench --suite workloads --auto-vs-best --rounds 3 \
       --match "train|swa|gemma|phi3|vit|dit|mla|hdim256" --out "$R/autobest" > "$R/autobest/bench.log" 2>&1
   echo "auto-vs-best rc=$?"; grep -v "Warning\|warn" "$R/autobest/bench.log" | tail -24
   ;;
