@@ -49,7 +49,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     spec, inputs = dense_spec(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                               softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,
                               deterministic=deterministic, return_lse=return_lse, score_mod=score_mod,
-                              mask_mod=mask_mod, block_mask=block_mask, attn_bias=attn_bias)
+                              mask_mod=mask_mod, block_mask=block_mask, attn_bias=attn_bias,
+                              builtin_rules=backend is None)
     return _finish(*serve.call(spec, inputs, backend, key), return_lse)
 
 

@@ -4,6 +4,11 @@
 tile and (batch, head): EMPTY tiles are skipped, FULL tiles need no per-element mask, PARTIAL tiles apply
 the mask_mod.  Built once and reused across calls and layers, like FlexAttention's; a
 `torch.nn.attention.flex_attention.BlockMask` is accepted and converted (`as_block_mask`).
+
+A block mask may show exactly the pairs of a built-in rule: a causal or sliding-window mask_mod is the
+commonest mask there is.  `BlockMask.band` finds that rule (masks.Visibility's window, bottom-right
+aligned), so that backend=None runs such a call on the built-in kernels, which skip and mask those tiles
+without evaluating any mod (DESIGN.md: a plain causal mask_mod within 5% of causal=True).
 """
 from __future__ import annotations
 
@@ -26,6 +31,9 @@ class BlockMask:
     seq_lengths: tuple
     block_size: tuple            # (q_block, kv_block)
     mask_mod: Optional[Callable] = None
+    # band() looks for a built-in rule only in masks built here: a converted torch BlockMask is converted anew at
+    # every call, and looking would cost each call O(Sq * kv_block) mask_mod evaluations
+    find_band: bool = True
 
     @property
     def shape(self) -> tuple:
@@ -62,6 +70,18 @@ class BlockMask:
         if not bool(any_[rows, cols].any()):
             return "empty"
         return "full" if bool(all_[rows, cols].all()) else "partial"
+
+    def band(self, batch: int, heads: int) -> Optional[tuple]:
+        """The window (left, right) of the built-in rule (masks.Visibility: bottom-right aligned, -1 unbounded)
+        under which a call of `batch` x `heads` sees exactly the pairs this block mask shows it, or None when no
+        window does.  The mask_mod runs only on the two end tiles of each row tile's run (O(Sq * kv_block) per
+        batch entry and head, with the call's own b and h), once per (batch, heads): kept on the block mask."""
+        if not self.find_band:
+            return None
+        bands = self.__dict__.setdefault("_bands", {})
+        if (batch, heads) not in bands:
+            bands[(batch, heads)] = _band(self, batch, heads)
+        return bands[(batch, heads)]
 
     def tile_visible(self, b, h, i, j) -> torch.Tensor:
         """Whether the tile holding (b, h, i, j) (broadcasting index tensors) is not empty."""
@@ -104,6 +124,78 @@ def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Sq
     return BlockMask(state, (Sq, Sk), (qb, kb), mask_mod)
 
 
+def _band(bm: BlockMask, batch: int, heads: int) -> Optional[tuple]:
+    """BlockMask.band, computed.  A band's rows see runs of keys that shift by one per row, so each row tile's
+    non-empty tiles are contiguous and each edge of the band crosses at most ceil(q_block / kv_block) + 1 PARTIAL
+    tiles per row tile: anything else is no band, found from the tiles alone.  Otherwise FULL tiles count whole
+    and the mask_mod runs on the PARTIAL ones only, with the call's b and h as broadcast dimensions (a mod that
+    reads neither is evaluated once for all of them).  From each row's visible-key count and its first and last
+    visible key, a rule (left, right) is read off and then held to every row."""
+    sq, sk = bm.seq_lengths
+    qb, kb = bm.block_size
+    st = bm.state
+    dev = st.device
+    if sq == 0 or sk == 0 or st.shape[0] not in (1, batch) or st.shape[1] not in (1, heads):
+        return None
+    nk = st.shape[3]
+    cols = torch.arange(nk, device=dev)
+    seen, full, part = st != EMPTY, st == FULL, st == PARTIAL
+    t0 = torch.where(seen, cols, nk).amin(-1)
+    t1 = torch.where(seen, cols, -1).amax(-1)
+    kmax = int(part.sum(-1).max())
+    if (not bool(((t1 < 0) | (seen.sum(-1) == t1 - t0 + 1)).all()) or kmax > 2 * (-(-qb // kb) + 1)
+            or (kmax and bm.mask_mod is None)):
+        return None
+    width = (sk - cols * kb).clamp_max(kb)                          # keys of each key tile
+    fcount = (full * width).sum(-1)                                 # [b', h', nq]: keys of the FULL tiles
+    ffirst = torch.where(full, cols * kb, sk).amin(-1)
+    flast = torch.where(full, cols * kb + width - 1, -1).amax(-1)
+    pcols = torch.where(part, cols, nk).sort(-1).values[..., :kmax]  # [b', h', nq, kmax]: PARTIAL tiles, nk pads
+    bi = torch.arange(batch, device=dev).view(-1, 1, 1, 1)
+    hi = torch.arange(heads, device=dev).view(1, -1, 1, 1)
+    keys = torch.arange(kb, device=dev)
+    chunks = []
+    rows = max(1, EVAL_ELEMENTS // max(1, 4 * batch * heads * kb))   # rows per chunk of mask_mod evaluations
+    for r0 in range(0, sq, rows):
+        qi = torch.arange(r0, min(r0 + rows, sq), device=dev)
+        rt = qi // qb
+        fc, ff, fl, pc = fcount[..., rt], ffirst[..., rt], flast[..., rt], pcols[..., rt, :]
+        qi = qi.view(1, 1, -1, 1)
+        for n in range(kmax):
+            j0 = pc[..., n] * kb                                      # [b', h', rows]: the tile's first key
+            j = j0[..., None] + keys
+            vis = (j < sk) & bm.mask_mod(bi, hi, qi, j.clamp(0, sk - 1)).to(torch.bool)
+            u8 = vis.to(torch.uint8)
+            fc = fc + u8.sum(-1)
+            seen_any = u8.amax(-1) > 0
+            ff = torch.minimum(ff, torch.where(seen_any, j0 + u8.argmax(-1), sk))
+            fl = torch.maximum(fl, torch.where(seen_any, j0 + kb - 1 - u8.flip(-1).argmax(-1), -1))
+        chunks.append((fc, ff, fl))
+    bh = torch.broadcast_shapes(*(x.shape[:2] for c in chunks for x in c))
+    count, first, last = (torch.cat([c[n].expand(*bh, -1) for c in chunks], -1) for n in range(3))
+    some = count > 0
+    if not bool(some.any()) or not bool((~some | (count == last - first + 1)).all()):
+        return None                                                  # a row with a hole, or nothing visible
+    diag = torch.arange(sq, device=dev) + (sk - sq)                  # row i's diagonal key (bottom-right)
+    options = []   # per bound: the one value the rows that it clips give, or where it clips none of them,
+    for bound, keep in ((diag - first, some & (first > 0)), (last - diag, some & (last < sk - 1))):
+        vals = bound[keep]   # unbounded or (where rows see nothing because of it) the tightest value that fits
+        if vals.numel() == 0:
+            options.append((-1, max(0, int(bound[some].max()))))
+        elif bool((vals == vals[0]).all()) and int(vals[0]) >= 0:
+            options.append((int(vals[0]),))
+        else:
+            return None
+    for left in options[0]:
+        for right in options[1]:
+            lo = (diag - left).clamp_min(0) if left >= 0 else torch.zeros_like(diag)
+            hi_ = (diag + right).clamp_max(sk - 1) if right >= 0 else torch.full_like(diag, sk - 1)
+            want = (hi_ - lo + 1).clamp_min(0)
+            if bool(((count == want) & (~some | ((first == lo) & (last == hi_)))).all()):
+                return left, right
+    return None
+
+
 def _is_noop(fn) -> bool:
     return fn is None or getattr(fn, "__name__", "") == "noop_mask"
 
@@ -132,4 +224,4 @@ def as_block_mask(bm) -> BlockMask:
     mask_mod = None if _is_noop(getattr(bm, "mask_mod", None)) else bm.mask_mod
     if mask_mod is None:
         state = torch.where(state == PARTIAL, FULL, state)   # without a mask_mod a listed tile is seen whole
-    return BlockMask(state[..., :nk].contiguous(), (sq, sk), (qb, kb), mask_mod)
+    return BlockMask(state[..., :nk].contiguous(), (sq, sk), (qb, kb), mask_mod, find_band=False)

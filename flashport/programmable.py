@@ -121,6 +121,19 @@ class Programmable:
         return self.block_mask.state_of(m0, m1, n0, n1)
 
 
+def builtin_window(prog: Optional[Programmable], window: tuple, batch: int, heads_q: int) -> Optional[tuple]:
+    """The built-in window (left, right) that a call with this window and these mods equals, where the mods are a
+    mask alone (no score_mod, no attn_bias) whose block mask shows a band (BlockMask.band); else None.  The two
+    rules intersect: each bound is the tighter of the two (-1 = unbounded)."""
+    if (prog is None or prog.score_mod is not None or prog.attn_bias is not None or prog.block_mask is None
+            or prog.mask_mod is not prog.block_mask.mask_mod):
+        return None
+    band = prog.block_mask.band(batch, heads_q)
+    if band is None:
+        return None
+    return tuple(b if w < 0 else w if b < 0 else min(w, b) for w, b in zip(window, band))
+
+
 def build(score_mod, mask_mod, block_mask, attn_bias, *, batch: int, heads_q: int, sq: int, sk: int,
           device) -> Optional[Programmable]:
     """Validate the programmable keywords of a dense call (names in every error) -> Programmable or None."""

@@ -21,7 +21,7 @@ import torch
 from . import env
 from .masks import Visibility
 from .overlap import overlaps
-from .programmable import Programmable, build as build_programmable
+from .programmable import Programmable, build as build_programmable, builtin_window
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -278,7 +278,10 @@ def _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropou
 # ----------------------------------------------------------------------------- entry points
 def dense_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                deterministic, return_lse, score_mod=None, mask_mod=None, block_mask=None,
-               attn_bias=None) -> tuple[AttnSpec, AttnInputs]:
+               attn_bias=None, builtin_rules=False) -> tuple[AttnSpec, AttnInputs]:
+    """builtin_rules: a mask-only call whose block mask shows a window (BlockMask.band) becomes that built-in
+    window, which every backend runs without evaluating a mod (backend=None's calls; a named backend keeps
+    the mods it was asked to run)."""
     for t, n in ((q, "q"), (k, "k"), (v, "v")):
         _tensor(t, n)
     _rank(q, "q", 4, "[B, Sq, Hq, D]")
@@ -294,6 +297,10 @@ def dense_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_sl
                    deterministic, return_lse, b, hq, sq + k.shape[1])
     prog = build_programmable(score_mod, mask_mod, block_mask, attn_bias, batch=b, heads_q=hq, sq=sq,
                               sk=k.shape[1], device=q.device)
+    window = builtin_window(prog, (opts["window_left"], opts["window_right"]), b, hq) if builtin_rules else None
+    if window is not None:
+        opts.update(window_left=window[0], window_right=window[1])
+        prog = None
     extra = () if prog is None else prog.differentiable
     spec = AttnSpec(kind="dense", batch=b, seqlen_q=sq, seqlen_k=k.shape[1], heads_q=hq,
                     heads_kv=k.shape[2], head_dim=d, head_dim_v=v.shape[-1], dtype=q.dtype,

@@ -374,3 +374,68 @@ def test_score_mod_masking_with_minus_inf_gives_empty_rows_not_nan(backend, smal
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     for g in torch.autograd.grad(out, (q, k, v), do):
         assert torch.isfinite(g).all()
+
+
+# ----------------------------------------------------------------------------- block masks that are built-in rules
+def _rule(sq, sk, left, right):
+    from flashport.masks import Visibility
+    return torch.broadcast_to(Visibility(sq, sk, left, right).sees(torch.arange(sq)[:, None],
+                                                                   torch.arange(sk)[None, :]), (sq, sk))
+
+
+@pytest.mark.parametrize("sq, sk", [(64, 64), (37, 100), (100, 37), (1, 5), (5, 1), (48, 16)])
+@pytest.mark.parametrize("block_size", [8, 16, (4, 32), (32, 8)])
+def test_block_mask_band_is_the_rule_it_shows(sq, sk, block_size):
+    """Every window written as a mask_mod (in absolute positions, as users write them) is found, and the rule
+    found shows exactly the mask's pairs; bounds that never bind come back unbounded."""
+    for left, right in [(-1, -1), (-1, 0), (3, 0), (0, 0), (5, 7), (-1, 4), (2, -1), (40, 1)]:
+        dense = _rule(sq, sk, left, right)
+        bm = flashport.create_block_mask(lambda b, h, i, j: dense[i, j], None, None, sq, sk, block_size=block_size)
+        band = bm.band(B, HQ)
+        if not dense.any():
+            assert band is None
+            continue
+        assert band is not None, (left, right)
+        assert torch.equal(_rule(sq, sk, *band), dense), (left, right, band)
+
+
+def test_block_mask_band_refuses_what_is_no_window():
+    """Sinks, prefix-LM, documents, a mask that differs per head or batch entry, a strictly-below-diagonal mask
+    (right = -1 would mean unbounded) and a hole inside a row: no rule."""
+    docs = torch.repeat_interleave(torch.arange(4), 16)
+    for mask in (mods.sliding_window(8, sinks=2), mods.prefix_lm(16), mods.document(docs),
+                 lambda b, h, i, j: (j <= i) & (j >= i - h), lambda b, h, i, j: j <= i + b,
+                 lambda b, h, i, j: j < i, lambda b, h, i, j: (j <= i) & (j != i - 3)):
+        bm = flashport.create_block_mask(mask, None, None, 64, 64, block_size=16)
+        assert bm.band(B, HQ) is None
+    assert flashport.create_block_mask(mods.causal, None, None, 64, 64, block_size=16).band(B, HQ) == (-1, 0)
+    assert flashport.create_block_mask(mods.sliding_window(10), None, None, 64, 64).band(1, 1) == (10, 0)
+
+
+def test_mask_only_band_runs_the_builtin_rule():
+    """backend=None runs a causal / windowed block mask as causal=True / window_size (bit for bit the same
+    call), exact against the reference with the mods; a named backend and a call with a score_mod keep the mods."""
+    from flashport.spec import dense_spec
+    q, k, v, do = _inputs(torch.float32, sq=40, sk=64)
+    opts = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                dropout_p=0.0, deterministic=False, return_lse=False)
+    for mask, window in ((lambda b, h, i, j: j <= i + 24, (-1, 0)), (lambda b, h, i, j: (j <= i + 24) & (j >= i + 19),
+                                                                      (5, 0))):
+        bm = flashport.create_block_mask(mask, None, None, 40, 64, block_size=16)
+        spec, inputs = dense_spec(q, k, v, block_mask=bm, builtin_rules=True, **opts)
+        assert (spec.mods, spec.window_left, spec.window_right, inputs.prog) == ((), *window, None)
+        assert dense_spec(q, k, v, block_mask=bm, **opts)[0].mods == ("mask_mod", "block_mask")
+        assert dense_spec(q, k, v, block_mask=bm, score_mod=lambda s, b, h, i, j: s, builtin_rules=True,
+                          **opts)[0].mods == ("score_mod", "mask_mod", "block_mask")
+        out = flashport.attention(q, k, v, block_mask=bm)
+        assert torch.equal(out, flashport.attention(q, k, v, window_size=window))
+        grads = torch.autograd.grad(out, (q, k, v), do)
+        ref = flashport.attention(q, k, v, block_mask=bm, backend="reference")
+        for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v), do)):
+            torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    # a window the call already has intersects with the mask's: each bound is the tighter one
+    bm = flashport.create_block_mask(mods.causal, None, None, 40, 40, block_size=16)
+    q, k, v, _ = _inputs(torch.float32, sq=40, sk=40)
+    spec, _ = dense_spec(q, k, v, block_mask=bm, builtin_rules=True, **{**opts, "window_size": (7, 3)})
+    assert (spec.window_left, spec.window_right) == (7, 0)

@@ -24,9 +24,9 @@ import torch
 from .. import mods
 from ..check import flash_extras, magnitude, rule_error
 from ..backend.reference import materialized_attention
-from ..programmable import build
+from ..programmable import build, builtin_window
 
-MASKS = ("none", "causal", "window_sinks", "prefix_lm", "document", "block_sparse", "empty_rows")
+MASKS = ("none", "causal", "window_sinks", "prefix_lm", "document", "block_sparse", "empty_rows")   # and "band"
 SCORES = ("none", "alibi", "softcap", "rel_table")
 BIAS = ("none", "full", "head_row", "key_only")
 
@@ -35,12 +35,19 @@ def draw(seed: int, index: int) -> dict:
     rng = random.Random(f"flashport-fuzz-mods/{seed}/{index}")
     hkv = rng.choice((1, 2))
     sq = rng.choice((1, 3, 17, 40, 64, 97))
-    return dict(seed=seed, index=index, data_seed=rng.randrange(2 ** 31), b=rng.choice((1, 2)), sq=sq,
+    c = dict(seed=seed, index=index, data_seed=rng.randrange(2 ** 31), b=rng.choice((1, 2)), sq=sq,
                 sk=rng.choice((sq, sq, 1, 33, 80)), hkv=hkv, hq=hkv * rng.choice((1, 2, 3)),
                 d=rng.choice((8, 16, 40, 64)), dtype=rng.choice(("float32", "float16")),
                 mask=rng.choice(MASKS), score=rng.choice(SCORES), bias=rng.choice(BIAS),
                 causal=rng.random() < 0.25, block=rng.random() < 0.4, block_size=rng.choice((8, 16, 32)),
                 window=rng.randint(1, 20), grad_table=rng.random() < 0.7, grad_bias=rng.random() < 0.7)
+    # drawn last, so the fields above stay what earlier seeds drew: a block mask that is a built-in window
+    # (bottom-right, in absolute positions as users write it), which backend=None runs as that window
+    if rng.random() < 0.2:
+        c.update(mask="band", band=(rng.choice((-1, 0, 1, 5, 17)), rng.choice((-1, 0, 2, 9))), block=True)
+        if rng.random() < 0.7:
+            c.update(score="none", bias="none")
+    return c
 
 
 def served(c: dict, backend: str) -> dict:
@@ -58,6 +65,13 @@ def served(c: dict, backend: str) -> dict:
     return c
 
 
+def _band_mask(sq: int, sk: int, left: int, right: int):
+    def mask(b, h, i, j):
+        d = i + (sk - sq)
+        return ((j >= d - left) | (left < 0)) & ((j <= d + right) | (right < 0))
+    return mask
+
+
 def _mods(c: dict, g: torch.Generator, device):
     sq, sk, hq = c["sq"], c["sk"], c["hq"]
     mask = {"none": None, "causal": mods.causal, "window_sinks": mods.sliding_window(c["window"], sinks=2),
@@ -66,7 +80,8 @@ def _mods(c: dict, g: torch.Generator, device):
                                       causal=False),
             "block_sparse": mods.block_sparse(-(-sq // 8), -(-sk // 8), block_size=8, density=0.4,
                                               seed=c["data_seed"], device=device),
-            "empty_rows": lambda b, h, i, j: (i >= sq // 2) & (j <= i + h % 2)}[c["mask"]]
+            "empty_rows": lambda b, h, i, j: (i >= sq // 2) & (j <= i + h % 2),
+            "band": _band_mask(sq, sk, *c.get("band", (-1, -1)))}[c["mask"]]
     table = torch.randn(hq, 7, generator=g).to(device).requires_grad_(c["grad_table"])
     slopes = (torch.rand(hq, generator=g) * 0.5).to(device)
     score = {"none": None, "alibi": mods.alibi(slopes), "softcap": mods.tanh_softcap(2.5),
@@ -127,7 +142,8 @@ def run(c: dict, backend: str | None = "blockwise", device="cpu") -> dict:
     terms = [extras["dq"], extras["dk"], extras["dv"], *extras["more"]]
     for name, a, b, m, e in zip(("dq", "dk", "dv", "d_extra1", "d_extra2"), got, want, math, terms):
         check(name, a, b, m, 3.0, mag, e)
-    return dict(status="FAIL" if problems else "PASS", worst=worst, problems=problems)
+    window = builtin_window(prog, (-1, 0 if c["causal"] else -1), c["b"], c["hq"]) if backend is None else None
+    return dict(status="FAIL" if problems else "PASS", worst=worst, problems=problems, builtin_window=window)
 
 
 def main(argv=None) -> int:
@@ -151,6 +167,8 @@ def main(argv=None) -> int:
         skips += r["status"] == "SKIP"
         for key in ("mask", "score", "bias"):
             counts[f"{key}={c[key]}"] = counts.get(f"{key}={c[key]}", 0) + 1
+        if r.get("builtin_window") is not None:   # ran as a built-in window (backend=None)
+            counts["as_builtin_window"] = counts.get("as_builtin_window", 0) + 1
         counts[f"block_mask={c['block'] and c['mask'] != 'none'}"] = counts.get(
             f"block_mask={c['block'] and c['mask'] != 'none'}", 0) + 1
         if log:
