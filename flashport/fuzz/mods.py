@@ -26,7 +26,8 @@ from ..check import flash_extras, magnitude, rule_error
 from ..backend.reference import materialized_attention
 from ..programmable import build, builtin_window
 
-MASKS = ("none", "causal", "window_sinks", "prefix_lm", "document", "block_sparse", "empty_rows")   # and "band"
+MASKS = ("none", "causal", "window_sinks", "prefix_lm", "document", "block_sparse", "empty_rows")
+ALL_MASKS = MASKS + ("band",)   # "band" is drawn apart, last (see draw)
 SCORES = ("none", "alibi", "softcap", "rel_table")
 BIAS = ("none", "full", "head_row", "key_only")
 
