@@ -16,17 +16,17 @@ case "$PART" in
 a)
   fa4_step1
   mkdir -p "$R/programmable"
-  timeout ${SUITE_SECONDS:-200} python -m flashport bench --suite programmable --out "$R/programmable" \
+  timeout ${SUITE_SECONDS:-170} python -m flashport bench --suite programmable --out "$R/programmable" \
       --peers flashport-triton,flashport,flex,sdpa-mask > "$R/programmable/bench.log" 2>&1
   echo "programmable suite rc=$?"; grep -v "Warning\|warn\|run/s" "$R/programmable/bench.log" | tail -24; save
-  timeout ${PROG_SECONDS:-60} python -m pytest -q -p no:logging -p no:cacheprovider --tb=short \
+  timeout ${PROG_SECONDS:-45} python -m pytest -q -p no:logging -p no:cacheprovider --tb=short \
       -k "auto_serves or recompile" tests/gpu/test_programmable_gpu.py > "$R/programmable_auto.log" 2>&1
   echo "programmable tier (auto, recompiles) rc=$?"; grep -E "passed|failed|^FAILED|^E " "$R/programmable_auto.log" | head
   # the tier's flex fuzz (the 17th session's failure): the same draws, each verdict printed as it comes
-  [ "${FLEX_SECONDS:-90}" = 0 ] || timeout ${FLEX_SECONDS:-90} python -m flashport.fuzz.mods --n 40 --backend flex --device cuda --all-features \
+  [ "${FLEX_SECONDS:-60}" = 0 ] || timeout ${FLEX_SECONDS:-60} python -m flashport.fuzz.mods --n 40 --backend flex --device cuda --all-features \
       --log "$R/mods_flex.jsonl" > "$R/mods_flex.log" 2>&1
   echo "flex fuzz rc=$?"; grep -v "Warning\|W1207\|warn" "$R/mods_flex.log" | cut -c1-600 | tail -8; save
-  [ "${GQA_SECONDS:-100}" = 0 ] || timeout ${GQA_SECONDS:-100} python tools/gpu/gqa_loop_probe.py --out "$R/gqa_loop.json" > "$R/gqa_loop.log" 2>&1
+  [ "${GQA_SECONDS:-90}" = 0 ] || timeout ${GQA_SECONDS:-90} python tools/gpu/gqa_loop_probe.py --out "$R/gqa_loop.json" > "$R/gqa_loop.log" 2>&1
   echo "gqa probe rc=$?"
   python - "$R/gqa_loop.json" <<'EOF2'
 import json, sys
@@ -40,7 +40,7 @@ for r in rows:
           f"x{r.get('speedup_vs_partials', 1):.3f} err {err:.2e} {r.get('error', '')[:80]}")
 EOF2
   save
-  [ "${MODS_SECONDS:-60}" = 0 ] || timeout ${MODS_SECONDS:-60} python -m flashport.fuzz.mods --n 40 --backend triton --device cuda \
+  [ "${MODS_SECONDS:-45}" = 0 ] || timeout ${MODS_SECONDS:-45} python -m flashport.fuzz.mods --n 40 --backend triton --device cuda \
       --log "$R/mods_triton.jsonl" > "$R/mods_triton.log" 2>&1
   echo "mods fuzz rc=$?"; tail -3 "$R/mods_triton.log"
   ;;
