@@ -5,6 +5,7 @@ import torch
 
 from . import ops, plan_cache, serve
 from .merge import merge_states_torch, validate_states
+from .programmable import builtin_documents
 from .spec import dense_spec, kvcache_inputs, kvcache_spec, varlen_spec
 
 # Under torch.compile each entry point is one custom op (flashport/ops.py): Dynamo never traces this module's
@@ -51,7 +52,31 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                               deterministic=deterministic, return_lse=return_lse, score_mod=score_mod,
                               mask_mod=mask_mod, block_mask=block_mask, attn_bias=attn_bias,
                               builtin_rules=backend is None)
+    docs = builtin_documents(inputs.prog, spec.batch, spec.heads_q) if backend is None and not spec.dropout_p else None
+    if docs is not None:
+        return _documents_as_varlen(q, k, v, docs, spec, alibi_slopes, deterministic, return_lse)
     return _finish(*serve.call(spec, inputs, backend, key), return_lse)
+
+
+def _documents_as_varlen(q, k, v, docs, spec, alibi_slopes, deterministic, return_lse):
+    """A dense call whose block mask shows packed documents (BlockMask.documents), run as the varlen call it
+    equals: the [B * S] rows as one packed batch, each document a sequence (so every backend's varlen kernels
+    serve it, skipping the other documents' keys without evaluating a mod).  Same scale, window, softcap and
+    ALiBi per row (positions within a document differ from the row's only by the document's start, which the
+    window's and ALiBi's distances do not see).  Dropout keeps the dense path: its random mask is drawn per
+    dense position."""
+    cu, max_len, per_entry, causal = docs
+    b, s = q.shape[:2]
+    right = 0 if causal else spec.window_right     # a causal document mask with the call's window: the tighter
+    if alibi_slopes is not None and alibi_slopes.dim() == 2:
+        alibi_slopes = alibi_slopes.repeat_interleave(per_entry, 0)
+    out, lse = attention_varlen(q.reshape(b * s, *q.shape[2:]), k.reshape(b * s, *k.shape[2:]),
+                                v.reshape(b * s, *v.shape[2:]), cu, cu, max_len, max_len,
+                                softmax_scale=spec.softmax_scale, window_size=(spec.window_left, right),
+                                softcap=spec.softcap, alibi_slopes=alibi_slopes, deterministic=deterministic,
+                                return_lse=True)
+    out = out.view(b, s, *out.shape[1:])
+    return (out, lse.view(lse.shape[0], b, s).transpose(0, 1)) if return_lse else out
 
 
 def attention_varlen(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k, *, causal=False,

@@ -74,14 +74,33 @@ class BlockMask:
     def band(self, batch: int, heads: int) -> Optional[tuple]:
         """The window (left, right) of the built-in rule (masks.Visibility: bottom-right aligned, -1 unbounded)
         under which a call of `batch` x `heads` sees exactly the pairs this block mask shows it, or None when no
-        window does.  The mask_mod runs only on the two end tiles of each row tile's run (O(Sq * kv_block) per
-        batch entry and head, with the call's own b and h), once per (batch, heads): kept on the block mask."""
+        window does."""
+        return self._rules(batch, heads)[0]
+
+    def documents(self, batch: int, heads: int) -> Optional[tuple]:
+        """(cu_seqlens, max_seqlen, per_entry, causal) where this block mask shows packed documents to a call of
+        `batch` x `heads` (Sq = Sk): row i sees the keys of its own document (up to i when causal) and nothing
+        else, the same for every head.  cu_seqlens: int32 [n + 1], the documents of every batch entry in turn, as
+        attention_varlen takes them on the [B * S] rows; per_entry: int64 [batch], documents per entry.  None
+        otherwise."""
+        return self._rules(batch, heads)[1]
+
+    def _rules(self, batch: int, heads: int) -> tuple:
+        # found once per (batch, heads) and kept (the mask_mod runs on the PARTIAL tiles only: O(Sq * kv_block) per
+        # partial tile of a row tile, with the call's own b and h)
         if not self.find_band:
-            return None
-        bands = self.__dict__.setdefault("_bands", {})
-        if (batch, heads) not in bands:
-            bands[(batch, heads)] = _band(self, batch, heads)
-        return bands[(batch, heads)]
+            return None, None
+        rules = self.__dict__.setdefault("_rules_found", {})
+        if (batch, heads) not in rules:
+            runs = _row_runs(self, batch, heads, 2 * (-(-self.block_size[0] // self.block_size[1]) + 1))
+            band = None if runs is None else _band(runs, *self.seq_lengths)
+            if band is None and self.seq_lengths[0] == self.seq_lengths[1]:
+                runs = runs or _row_runs(self, batch, heads, None)
+                docs = None if runs is None else _documents(runs, batch)
+            else:
+                docs = None
+            rules[(batch, heads)] = (band, docs)
+        return rules[(batch, heads)]
 
     def tile_visible(self, b, h, i, j) -> torch.Tensor:
         """Whether the tile holding (b, h, i, j) (broadcasting index tensors) is not empty."""
@@ -124,13 +143,14 @@ def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Sq
     return BlockMask(state, (Sq, Sk), (qb, kb), mask_mod)
 
 
-def _band(bm: BlockMask, batch: int, heads: int) -> Optional[tuple]:
-    """BlockMask.band, computed.  A band's rows see runs of keys that shift by one per row, so each row tile's
-    non-empty tiles are contiguous and each edge of the band crosses at most ceil(q_block / kv_block) + 1 PARTIAL
-    tiles per row tile: anything else is no band, found from the tiles alone.  Otherwise FULL tiles count whole
-    and the mask_mod runs on the PARTIAL ones only, with the call's b and h as broadcast dimensions (a mod that
-    reads neither is evaluated once for all of them).  From each row's visible-key count and its first and last
-    visible key, a rule (left, right) is read off and then held to every row."""
+def _row_runs(bm: BlockMask, batch: int, heads: int, max_partial: Optional[int]) -> Optional[tuple]:
+    """(count, first, last): int64 [B*, H*, Sq] (B* in 1 or batch, H* in 1 or heads) of each row's visible keys,
+    its first (Sk where none) and its last (-1 where none); or None where some row's keys cannot be a run.
+
+    Rows that see runs of keys (a band, documents) make each row tile's non-empty tiles contiguous; a band's
+    edges also cross at most ceil(q_block / kv_block) + 1 PARTIAL tiles each per row tile (max_partial).  Both
+    are read from the tiles alone.  Then FULL tiles count whole and the mask_mod runs on the PARTIAL ones only,
+    with the call's b and h as broadcast dimensions (a mod that reads neither is evaluated once for all)."""
     sq, sk = bm.seq_lengths
     qb, kb = bm.block_size
     st = bm.state
@@ -143,8 +163,8 @@ def _band(bm: BlockMask, batch: int, heads: int) -> Optional[tuple]:
     t0 = torch.where(seen, cols, nk).amin(-1)
     t1 = torch.where(seen, cols, -1).amax(-1)
     kmax = int(part.sum(-1).max())
-    if (not bool(((t1 < 0) | (seen.sum(-1) == t1 - t0 + 1)).all()) or kmax > 2 * (-(-qb // kb) + 1)
-            or (kmax and bm.mask_mod is None)):
+    if (not bool(((t1 < 0) | (seen.sum(-1) == t1 - t0 + 1)).all()) or (kmax and bm.mask_mod is None)
+            or (max_partial is not None and kmax > max_partial)):
         return None
     width = (sk - cols * kb).clamp_max(kb)                          # keys of each key tile
     fcount = (full * width).sum(-1)                                 # [b', h', nq]: keys of the FULL tiles
@@ -173,6 +193,14 @@ def _band(bm: BlockMask, batch: int, heads: int) -> Optional[tuple]:
         chunks.append((fc, ff, fl))
     bh = torch.broadcast_shapes(*(x.shape[:2] for c in chunks for x in c))
     count, first, last = (torch.cat([c[n].expand(*bh, -1) for c in chunks], -1) for n in range(3))
+    return count, first, last
+
+
+def _band(runs: tuple, sq: int, sk: int) -> Optional[tuple]:
+    """BlockMask.band from the rows' runs: the rows a bound clips give its value, which is then held to every
+    row."""
+    count, first, last = runs
+    dev = count.device
     some = count > 0
     if not bool(some.any()) or not bool((~some | (count == last - first + 1)).all()):
         return None                                                  # a row with a hole, or nothing visible
@@ -194,6 +222,29 @@ def _band(bm: BlockMask, batch: int, heads: int) -> Optional[tuple]:
             if bool(((count == want) & (~some | ((first == lo) & (last == hi_)))).all()):
                 return left, right
     return None
+
+
+def _documents(runs: tuple, batch: int) -> Optional[tuple]:
+    """BlockMask.documents from the rows' runs: a document starts at each row whose run starts at itself, and
+    every row must see its document from that start to itself (causal) or to the document's end."""
+    count, first, last = runs
+    if any(bool((x != x[:, :1]).any()) for x in runs):
+        return None                                   # the documents differ between heads
+    count, first, last = (x[:, 0].expand(batch, -1) for x in runs)   # [batch, S]
+    s = first.shape[-1]
+    i = torch.arange(s, device=first.device)
+    start = first == i
+    doc_start = torch.cummax(torch.where(start, i, 0), -1).values      # the last start at or before each row
+    nxt = torch.flip(torch.cummin(torch.flip(torch.where(start, i, s), [-1]), -1).values, [-1])
+    doc_end = torch.cat([nxt[:, 1:], torch.full_like(nxt[:, :1], s)], -1) - 1   # the last row of its document
+    causal = bool((last == i).all())
+    if not bool(start[:, 0].all() and ((first == doc_start) & (count == last - first + 1)).all()) or not (
+            causal or bool((last == doc_end).all())):
+        return None
+    per_entry = start.sum(-1)
+    rows = (i + s * torch.arange(batch, device=i.device)[:, None])[start]   # every document's first row, in order
+    cu = torch.cat([rows, rows.new_full((1,), batch * s)]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max()), per_entry, causal
 
 
 def _is_noop(fn) -> bool:

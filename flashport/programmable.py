@@ -121,17 +121,27 @@ class Programmable:
         return self.block_mask.state_of(m0, m1, n0, n1)
 
 
+def _mask_only(prog: Optional[Programmable]) -> bool:
+    """Mods that are a mask alone (no score_mod, no attn_bias), all in a block mask that can show its rules."""
+    return (prog is not None and prog.score_mod is None and prog.attn_bias is None and prog.block_mask is not None
+            and prog.mask_mod is prog.block_mask.mask_mod)
+
+
 def builtin_window(prog: Optional[Programmable], window: tuple, batch: int, heads_q: int) -> Optional[tuple]:
     """The built-in window (left, right) that a call with this window and these mods equals, where the mods are a
-    mask alone (no score_mod, no attn_bias) whose block mask shows a band (BlockMask.band); else None.  The two
-    rules intersect: each bound is the tighter of the two (-1 = unbounded)."""
-    if (prog is None or prog.score_mod is not None or prog.attn_bias is not None or prog.block_mask is None
-            or prog.mask_mod is not prog.block_mask.mask_mod):
+    mask alone whose block mask shows a band (BlockMask.band); else None.  The two rules intersect: each bound is
+    the tighter of the two (-1 = unbounded)."""
+    if not _mask_only(prog):
         return None
     band = prog.block_mask.band(batch, heads_q)
     if band is None:
         return None
     return tuple(b if w < 0 else w if b < 0 else min(w, b) for w, b in zip(window, band))
+
+
+def builtin_documents(prog: Optional[Programmable], batch: int, heads_q: int) -> Optional[tuple]:
+    """BlockMask.documents of a mask-only call: (cu_seqlens, max_seqlen, per_entry, causal), or None."""
+    return prog.block_mask.documents(batch, heads_q) if _mask_only(prog) else None
 
 
 def build(score_mod, mask_mod, block_mask, attn_bias, *, batch: int, heads_q: int, sq: int, sk: int,

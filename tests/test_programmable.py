@@ -439,3 +439,65 @@ def test_mask_only_band_runs_the_builtin_rule():
     q, k, v, _ = _inputs(torch.float32, sq=40, sk=40)
     spec, _ = dense_spec(q, k, v, block_mask=bm, builtin_rules=True, **{**opts, "window_size": (7, 3)})
     assert (spec.window_left, spec.window_right) == (7, 0)
+
+
+def _doc_mask(ids, causal):
+    """ids: [B, S] document ids (non-decreasing per entry)."""
+    return lambda b, h, i, j: (ids[b, i] == ids[b, j]) & ((j <= i) | (not causal))
+
+
+@pytest.mark.parametrize("causal", [True, False])
+@pytest.mark.parametrize("block_size", [8, (4, 16)])
+def test_block_mask_documents_are_found(causal, block_size):
+    """Random packings (documents of 1 token, one document per entry, entries packed differently): the
+    boundaries come back as varlen's cu_seqlens over the B * S rows; masks that are not documents give None."""
+    g = torch.Generator().manual_seed(3)
+    for _ in range(6):
+        lens = [torch.randint(1, 12, (12,), generator=g) for _ in range(2)]
+        ids = torch.stack([torch.repeat_interleave(torch.arange(12), n)[:40] for n in lens])
+        bm = flashport.create_block_mask(_doc_mask(ids, causal), 2, None, 40, 40, block_size=block_size)
+        cu, max_len, per_entry, got_causal = bm.documents(2, HQ)
+        want = [b * 40 + i for b in range(2) for i in range(40) if i == 0 or ids[b, i] != ids[b, i - 1]]
+        assert cu.tolist() == want + [80] and cu.dtype == torch.int32
+        assert per_entry.tolist() == [int(torch.unique(ids[b]).numel()) for b in range(2)]
+        assert max_len == int((cu[1:] - cu[:-1]).max()) and got_causal == causal
+        assert bm.band(2, HQ) is None or len(want) == 2   # one document per entry is a band
+    docs = torch.repeat_interleave(torch.arange(4), 10)
+    for mask in (mods.prefix_lm(8), mods.sliding_window(5, sinks=2),
+                 lambda b, h, i, j: (docs[i] == docs[j]) & (j <= i) & (j >= i - 3),          # a window inside
+                 lambda b, h, i, j: (docs[i] == docs[j]) & ((j <= i) | (h == 1)),             # per-head rules
+                 lambda b, h, i, j: (docs[i] == docs[j]) & (j != i)):                         # a hole
+        assert flashport.create_block_mask(mask, None, None, 40, 40, block_size=8).documents(2, HQ) is None
+
+
+def test_documents_run_as_varlen(monkeypatch):
+    """backend=None runs a document block mask as attention_varlen over the packed rows (the call the spy
+    sees), exact against the reference with the mods, with the call's window, softcap and per-entry ALiBi;
+    dropout and a named backend keep the dense call."""
+    import flashport.api as api
+    seen = []
+    real = api.attention_varlen
+
+    def spy(*a, **kw):
+        seen.append(a[3].tolist())
+        return real(*a, **kw)
+    monkeypatch.setattr(api, "attention_varlen", spy)
+    ids = torch.stack([torch.repeat_interleave(torch.arange(4), torch.tensor([5, 14, 2, 19])),
+                       torch.repeat_interleave(torch.arange(3), torch.tensor([20, 1, 19]))])
+    q, k, v, do = _inputs(torch.float32, sq=40, sk=40)
+    for causal in (True, False):
+        bm = flashport.create_block_mask(_doc_mask(ids, causal), 2, None, 40, 40, block_size=8)
+        for kw in ({}, dict(window_size=(6, 3)), dict(softcap=4.0),
+                   dict(alibi_slopes=torch.rand(2, HQ, generator=torch.Generator().manual_seed(1)))):
+            seen.clear()
+            out, lse = flashport.attention(q, k, v, block_mask=bm, return_lse=True, **kw)
+            assert seen == [[0, 5, 19, 21, 40, 60, 61, 80]], kw
+            ref, ref_lse = flashport.attention(q, k, v, block_mask=bm, return_lse=True, backend="reference", **kw)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-5)
+            for got, want in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)):
+                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    seen.clear()
+    flashport.attention(q, k, v, block_mask=bm, dropout_p=0.1)
+    flashport.attention(q, k, v, block_mask=bm, backend="blockwise")
+    assert seen == []

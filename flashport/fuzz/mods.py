@@ -24,7 +24,7 @@ import torch
 from .. import mods
 from ..check import flash_extras, magnitude, rule_error
 from ..backend.reference import materialized_attention
-from ..programmable import build, builtin_window
+from ..programmable import build, builtin_documents, builtin_window
 
 MASKS = ("none", "causal", "window_sinks", "prefix_lm", "document", "block_sparse", "empty_rows")
 ALL_MASKS = MASKS + ("band",)   # "band" is drawn apart, last (see draw)
@@ -42,10 +42,14 @@ def draw(seed: int, index: int) -> dict:
                 mask=rng.choice(MASKS), score=rng.choice(SCORES), bias=rng.choice(BIAS),
                 causal=rng.random() < 0.25, block=rng.random() < 0.4, block_size=rng.choice((8, 16, 32)),
                 window=rng.randint(1, 20), grad_table=rng.random() < 0.7, grad_bias=rng.random() < 0.7)
-    # drawn last, so the fields above stay what earlier seeds drew: a block mask that is a built-in window
-    # (bottom-right, in absolute positions as users write it), which backend=None runs as that window
-    if rng.random() < 0.2:
-        c.update(mask="band", band=(rng.choice((-1, 0, 1, 5, 17)), rng.choice((-1, 0, 2, 9))), block=True)
+    # drawn last, so the fields above stay what earlier seeds drew: block masks that are built-in rules, which
+    # backend=None runs as such -- a window (bottom-right, in absolute positions as users write it) or packed
+    # documents (a varlen call)
+    if rng.random() < 0.3:
+        if rng.random() < 0.5:
+            c.update(mask="band", band=(rng.choice((-1, 0, 1, 5, 17)), rng.choice((-1, 0, 2, 9))), block=True)
+        else:
+            c.update(mask="document", doc_causal=rng.random() < 0.5, block=True, sk=sq)   # documents: Sq = Sk
         if rng.random() < 0.7:
             c.update(score="none", bias="none")
     return c
@@ -78,7 +82,7 @@ def _mods(c: dict, g: torch.Generator, device):
     mask = {"none": None, "causal": mods.causal, "window_sinks": mods.sliding_window(c["window"], sinks=2),
             "prefix_lm": mods.prefix_lm(c["window"]),
             "document": mods.document(torch.sort(torch.randint(0, 3, (max(sq, sk),), generator=g))[0].to(device),
-                                      causal=False),
+                                      causal=c.get("doc_causal", False)),
             "block_sparse": mods.block_sparse(-(-sq // 8), -(-sk // 8), block_size=8, density=0.4,
                                               seed=c["data_seed"], device=device),
             "empty_rows": lambda b, h, i, j: (i >= sq // 2) & (j <= i + h % 2),
@@ -143,8 +147,11 @@ def run(c: dict, backend: str | None = "blockwise", device="cpu") -> dict:
     terms = [extras["dq"], extras["dk"], extras["dv"], *extras["more"]]
     for name, a, b, m, e in zip(("dq", "dk", "dv", "d_extra1", "d_extra2"), got, want, math, terms):
         check(name, a, b, m, 3.0, mag, e)
+    # what backend=None made of a mask-only block mask: a built-in window, or documents run as a varlen call
     window = builtin_window(prog, (-1, 0 if c["causal"] else -1), c["b"], c["hq"]) if backend is None else None
-    return dict(status="FAIL" if problems else "PASS", worst=worst, problems=problems, builtin_window=window)
+    docs = builtin_documents(prog, c["b"], c["hq"]) if backend is None and window is None else None
+    return dict(status="FAIL" if problems else "PASS", worst=worst, problems=problems, builtin_window=window,
+                as_varlen=docs is not None)
 
 
 def main(argv=None) -> int:
@@ -170,6 +177,8 @@ def main(argv=None) -> int:
             counts[f"{key}={c[key]}"] = counts.get(f"{key}={c[key]}", 0) + 1
         if r.get("builtin_window") is not None:   # ran as a built-in window (backend=None)
             counts["as_builtin_window"] = counts.get("as_builtin_window", 0) + 1
+        if r.get("as_varlen"):                     # ran as a varlen call over its documents (backend=None)
+            counts["as_varlen"] = counts.get("as_varlen", 0) + 1
         counts[f"block_mask={c['block'] and c['mask'] != 'none'}"] = counts.get(
             f"block_mask={c['block'] and c['mask'] != 'none'}", 0) + 1
         if log:
