@@ -1,13 +1,18 @@
 # Sourced by a session's device script (tools/gpu/gpu_sNN.sh) after `SESSION=sNN`, with PART set and $OUT the
 # device's return folder: runs from the repository root on the image's packages, results under $R, and
-#   save        rewrites $OUT/$PART.tgz from $R (call after every step: a call cut at its limit keeps what finished)
+#   save        rewrites $OUT/$PART.tgz from $R (after every step, every 20 s, and at exit)
 #   fa4_step1   FA4's first half (carried as .fa4a): the compiled IR library, unpacked into /tmp/fa4
 #   fa4_step2   its second half (.fa4b, within 30 s on the same warm machine): installs it and puts it on PYTHONPATH
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 R=/tmp/${SESSION}_$PART; rm -rf "$R"; mkdir -p "$R"
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-save() { tar -C /tmp -czf "$OUT/$PART.tgz" "${SESSION}_$PART"; }
+save() { tar -C /tmp -czf "$OUT/$PART.tgz.tmp" "${SESSION}_$PART" 2>/dev/null && mv -f "$OUT/$PART.tgz.tmp" "$OUT/$PART.tgz"; }
+# also every 20 s in the background: a call cut at its limit (or at the session's device budget) mid-step keeps
+# that step's partial JSON (the suites, tune and auto-vs-best write theirs after every shape)
+( while sleep 20; do save; done ) >/dev/null 2>&1 </dev/null &
+SAVER=$!
+trap 'kill $SAVER 2>/dev/null; save' EXIT
 fa4_step1() { mkdir -p /tmp/fa4 && xz -dc .fa4a/ir.so.xz > /tmp/fa4/ir.so && echo "fa4 step 1 done"; }
 fa4_step2() {
   bash .fa4b/install.sh 2>&1 | tail -3 | tee "$R/fa4_install.log"
