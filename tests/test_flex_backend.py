@@ -126,7 +126,8 @@ def test_traced_flex_forward_and_gradients(name, traced_flex):
     ref, ref_grads = _grads("reference", 48, 2, kw, extras)
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-5)
     for gr, rg in zip(grads, ref_grads):
-        torch.testing.assert_close(gr, rg, rtol=0, atol=2e-5)
+        # a captured table's gradient sums thousands of terms in a thread-dependent order: relative tolerance too
+        torch.testing.assert_close(gr, rg, rtol=1e-5, atol=2e-5)
 
 
 def test_new_lengths_and_batches_compile_nothing(traced_flex):
