@@ -5,7 +5,7 @@ import torch
 
 from . import ops, plan_cache, serve
 from .merge import merge_states_torch, validate_states
-from .programmable import builtin_documents
+from .programmable import builtin_documents, builtin_prefix
 from .spec import dense_spec, kvcache_inputs, kvcache_spec, varlen_spec
 
 # Under torch.compile each entry point is one custom op (flashport/ops.py): Dynamo never traces this module's
@@ -52,10 +52,29 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                               deterministic=deterministic, return_lse=return_lse, score_mod=score_mod,
                               mask_mod=mask_mod, block_mask=block_mask, attn_bias=attn_bias,
                               builtin_rules=backend is None)
-    docs = builtin_documents(inputs.prog, spec.batch, spec.heads_q) if backend is None and not spec.dropout_p else None
-    if docs is not None:
-        return _documents_as_varlen(q, k, v, docs, spec, alibi_slopes, deterministic, return_lse)
+    if backend is None and inputs.prog is not None and not spec.dropout_p:
+        docs = builtin_documents(inputs.prog, spec.batch, spec.heads_q)
+        if docs is not None:
+            return _documents_as_varlen(q, k, v, docs, spec, alibi_slopes, deterministic, return_lse)
+        prefix = builtin_prefix(inputs.prog, spec.batch, spec.heads_q) if spec.window_left == spec.window_right == -1 \
+            else None
+        if prefix is not None:
+            return _prefix_as_two_calls(q, k, v, prefix, spec, alibi_slopes, deterministic, return_lse)
     return _finish(*serve.call(spec, inputs, backend, key), return_lse)
+
+
+def _prefix_as_two_calls(q, k, v, p, spec, alibi_slopes, deterministic, return_lse):
+    """A dense call whose block mask shows prefix-LM (BlockMask.prefix: row i sees keys 0 to max(i, P - 1)) as the
+    two built-in calls it is made of: the first P rows see the first P keys (no mask), and the rows after them see
+    every key up to their own (causal, bottom-right: row i of the S - P sees keys up to P + i).  Every visible pair
+    is computed once, no score is masked or merged, and the built-in ALiBi's distance |i + Sk - Sq - j| is |i - j| in
+    both.  k and v gather their gradients from the two calls through autograd."""
+    kw = dict(softmax_scale=spec.softmax_scale, softcap=spec.softcap, alibi_slopes=alibi_slopes,
+              deterministic=deterministic, return_lse=True)
+    out_p, lse_p = attention(q[:, :p], k[:, :p], v[:, :p], **kw)
+    out_c, lse_c = attention(q[:, p:], k, v, causal=True, **kw)
+    out = torch.cat([out_p, out_c], 1)
+    return (out, torch.cat([lse_p, lse_c], -1)) if return_lse else out
 
 
 def _documents_as_varlen(q, k, v, docs, spec, alibi_slopes, deterministic, return_lse):

@@ -85,21 +85,26 @@ class BlockMask:
         otherwise."""
         return self._rules(batch, heads)[1]
 
+    def prefix(self, batch: int, heads: int) -> Optional[int]:
+        """P where this block mask shows prefix-LM to a call of `batch` x `heads` (Sq = Sk): row i sees keys 0 to
+        max(i, P - 1), every batch entry and head alike (0 < P < S; P = 1 is causal, a band).  None otherwise."""
+        return self._rules(batch, heads)[2]
+
     def _rules(self, batch: int, heads: int) -> tuple:
         # found once per (batch, heads) and kept (the mask_mod runs on the PARTIAL tiles only: O(Sq * kv_block) per
         # partial tile of a row tile, with the call's own b and h)
         if not self.find_band:
-            return None, None
+            return None, None, None
         rules = self.__dict__.setdefault("_rules_found", {})
         if (batch, heads) not in rules:
+            found = [None, None, None]
             runs = _row_runs(self, batch, heads, 2 * (-(-self.block_size[0] // self.block_size[1]) + 1))
-            band = None if runs is None else _band(runs, *self.seq_lengths)
-            if band is None and self.seq_lengths[0] == self.seq_lengths[1]:
-                runs = runs or _row_runs(self, batch, heads, None)
-                docs = None if runs is None else _documents(runs, batch)
-            else:
-                docs = None
-            rules[(batch, heads)] = (band, docs)
+            found[0] = None if runs is None else _band(runs, *self.seq_lengths)
+            if found[0] is None and self.seq_lengths[0] == self.seq_lengths[1]:
+                found[2] = None if runs is None else _prefix(runs)
+                runs = runs or _row_runs(self, batch, heads, None)   # documents cross more PARTIAL tiles
+                found[1] = None if runs is None or found[2] is not None else _documents(runs, batch)
+            rules[(batch, heads)] = tuple(found)
         return rules[(batch, heads)]
 
     def tile_visible(self, b, h, i, j) -> torch.Tensor:
@@ -222,6 +227,17 @@ def _band(runs: tuple, sq: int, sk: int) -> Optional[tuple]:
             if bool(((count == want) & (~some | ((first == lo) & (last == hi_)))).all()):
                 return left, right
     return None
+
+
+def _prefix(runs: tuple) -> Optional[int]:
+    """BlockMask.prefix from the rows' runs: every row's run opens at key 0 and closes at max(i, P - 1)."""
+    count, first, last = runs
+    i = torch.arange(count.shape[-1], device=count.device)
+    p = int(last.reshape(-1)[0]) + 1
+    if not 1 < p < count.shape[-1]:
+        return None
+    ok = (first == 0) & (last == torch.clamp_min(i, p - 1)) & (count == last + 1)
+    return p if bool(ok.all()) else None
 
 
 def _documents(runs: tuple, batch: int) -> Optional[tuple]:

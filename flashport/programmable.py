@@ -144,6 +144,11 @@ def builtin_documents(prog: Optional[Programmable], batch: int, heads_q: int) ->
     return prog.block_mask.documents(batch, heads_q) if _mask_only(prog) else None
 
 
+def builtin_prefix(prog: Optional[Programmable], batch: int, heads_q: int) -> Optional[int]:
+    """BlockMask.prefix of a mask-only call: the prefix length P of its prefix-LM mask, or None."""
+    return prog.block_mask.prefix(batch, heads_q) if _mask_only(prog) else None
+
+
 def build(score_mod, mask_mod, block_mask, attn_bias, *, batch: int, heads_q: int, sq: int, sk: int,
           device) -> Optional[Programmable]:
     """Validate the programmable keywords of a dense call (names in every error) -> Programmable or None."""

@@ -501,3 +501,43 @@ def test_documents_run_as_varlen(monkeypatch):
     flashport.attention(q, k, v, block_mask=bm, dropout_p=0.1)
     flashport.attention(q, k, v, block_mask=bm, backend="blockwise")
     assert seen == []
+
+
+def test_block_mask_prefix_is_found():
+    """Prefix-LM block masks give P (P = 1 is causal, a band; P = S sees everything, a band); a prefix that
+    differs per head, a hole, a window after the prefix, or Sq != Sk give None."""
+    for p in (2, 5, 13, 31, 39):
+        for bs in (8, (4, 16), (16, 4)):
+            bm = flashport.create_block_mask(mods.prefix_lm(p), None, None, 40, 40, block_size=bs)
+            assert (bm.prefix(B, HQ), bm.band(B, HQ), bm.documents(B, HQ)) == (p, None, None)
+    assert flashport.create_block_mask(mods.prefix_lm(1), None, None, 40, 40).band(B, HQ) == (-1, 0)
+    for mask in (lambda b, h, i, j: (j < 8 + h) | (j <= i), lambda b, h, i, j: ((j < 8) | (j <= i)) & (j != 3),
+                 lambda b, h, i, j: (j < 8) | ((j <= i) & (j >= i - 5))):
+        assert flashport.create_block_mask(mask, None, None, 40, 40, block_size=8).prefix(B, HQ) is None
+    assert flashport.create_block_mask(mods.prefix_lm(8), None, None, 40, 30, block_size=8).prefix(B, HQ) is None
+
+
+def test_prefix_runs_as_two_builtin_calls(monkeypatch):
+    """backend=None runs a prefix-LM block mask as two built-in calls (the prefix unmasked, the rest causal over
+    every key), exact against the reference with the mods with softcap and per-entry ALiBi, gradients through the
+    returned lse included; a call with its own window keeps the mods."""
+    import flashport.api as api
+    seen = []
+    real = api._prefix_as_two_calls
+    monkeypatch.setattr(api, "_prefix_as_two_calls", lambda q, k, v, p, *a: seen.append(p) or real(q, k, v, p, *a))
+    q, k, v, do = _inputs(torch.float32, sq=40, sk=40)
+    bm = flashport.create_block_mask(mods.prefix_lm(11), None, None, 40, 40, block_size=8)
+    for kw in ({}, dict(softcap=4.0), dict(alibi_slopes=torch.rand(2, HQ, generator=torch.Generator().manual_seed(1)))):
+        seen.clear()
+        out, lse = flashport.attention(q, k, v, block_mask=bm, return_lse=True, **kw)
+        assert seen == [11]
+        ref, ref_lse = flashport.attention(q, k, v, block_mask=bm, return_lse=True, backend="reference", **kw)
+        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-5)
+        got = torch.autograd.grad((out * do).sum() + lse.sum(), (q, k, v))
+        want = torch.autograd.grad((ref * do).sum() + ref_lse.sum(), (q, k, v))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    seen.clear()
+    flashport.attention(q, k, v, block_mask=bm, window_size=(20, 20))
+    assert seen == []

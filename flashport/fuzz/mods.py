@@ -24,7 +24,7 @@ import torch
 from .. import mods
 from ..check import flash_extras, magnitude, rule_error
 from ..backend.reference import materialized_attention
-from ..programmable import build, builtin_documents, builtin_window
+from ..programmable import build, builtin_documents, builtin_prefix, builtin_window
 
 MASKS = ("none", "causal", "window_sinks", "prefix_lm", "document", "block_sparse", "empty_rows")
 ALL_MASKS = MASKS + ("band",)   # "band" is drawn apart, last (see draw)
@@ -43,13 +43,16 @@ def draw(seed: int, index: int) -> dict:
                 causal=rng.random() < 0.25, block=rng.random() < 0.4, block_size=rng.choice((8, 16, 32)),
                 window=rng.randint(1, 20), grad_table=rng.random() < 0.7, grad_bias=rng.random() < 0.7)
     # drawn last, so the fields above stay what earlier seeds drew: block masks that are built-in rules, which
-    # backend=None runs as such -- a window (bottom-right, in absolute positions as users write it) or packed
-    # documents (a varlen call)
+    # backend=None runs as such -- a window (bottom-right, in absolute positions as users write it), packed
+    # documents (a varlen call) or prefix-LM (two built-in calls)
     if rng.random() < 0.3:
-        if rng.random() < 0.5:
+        kind = rng.choice(("band", "document", "prefix_lm"))
+        if kind == "band":
             c.update(mask="band", band=(rng.choice((-1, 0, 1, 5, 17)), rng.choice((-1, 0, 2, 9))), block=True)
-        else:
-            c.update(mask="document", doc_causal=rng.random() < 0.5, block=True, sk=sq)   # documents: Sq = Sk
+        else:   # documents and prefix-LM are rules of Sq = Sk (the prefix shorter than the sequence, no causal flag)
+            c.update(mask=kind, doc_causal=rng.random() < 0.5, block=True, sk=sq)
+            if kind == "prefix_lm":
+                c.update(window=rng.randint(1, max(1, sq - 1)), causal=False)
         if rng.random() < 0.7:
             c.update(score="none", bias="none")
     return c
@@ -150,8 +153,10 @@ def run(c: dict, backend: str | None = "blockwise", device="cpu") -> dict:
     # what backend=None made of a mask-only block mask: a built-in window, or documents run as a varlen call
     window = builtin_window(prog, (-1, 0 if c["causal"] else -1), c["b"], c["hq"]) if backend is None else None
     docs = builtin_documents(prog, c["b"], c["hq"]) if backend is None and window is None else None
+    prefix = (builtin_prefix(prog, c["b"], c["hq"]) if backend is None and window is None and not c["causal"]
+              else None)
     return dict(status="FAIL" if problems else "PASS", worst=worst, problems=problems, builtin_window=window,
-                as_varlen=docs is not None)
+                as_varlen=docs is not None, as_two_calls=prefix is not None)
 
 
 def main(argv=None) -> int:
@@ -177,8 +182,8 @@ def main(argv=None) -> int:
             counts[f"{key}={c[key]}"] = counts.get(f"{key}={c[key]}", 0) + 1
         if r.get("builtin_window") is not None:   # ran as a built-in window (backend=None)
             counts["as_builtin_window"] = counts.get("as_builtin_window", 0) + 1
-        if r.get("as_varlen"):                     # ran as a varlen call over its documents (backend=None)
-            counts["as_varlen"] = counts.get("as_varlen", 0) + 1
+        for rewrite in ("as_varlen", "as_two_calls"):   # documents as varlen, prefix-LM as two calls (backend=None)
+            counts[rewrite] = counts.get(rewrite, 0) + bool(r.get(rewrite))
         counts[f"block_mask={c['block'] and c['mask'] != 'none'}"] = counts.get(
             f"block_mask={c['block'] and c['mask'] != 'none'}", 0) + 1
         if log:
