@@ -2,9 +2,8 @@
 # The 19th session's device calls (the 18th session's plan, which got no machine, plus part c) (one warm machine; each part returns $OUT/<part>.tgz, rewritten after every step,
 # so a call cut at its limit still brings back what finished):
 #   PART=a (carry .fa4a): FA4 step 1; issue [15]: the programmable suite without the FA4 columns (the Triton kernels'
-#          table gradients and attn_bias timed against Flex; `flashport` = backend=None, which now serves compilable
-#          mods on the Triton kernels), the programmable GPU tier's flex tests (the 17th session's run failed one,
-#          its name cut off) and its auto-selection test, the mods fuzz on triton with attn_bias; issue [8]: the GQA
+#          table gradients and attn_bias timed against Flex; `flashport` = backend=None: the compiled mods, or the
+#          built-in call a block mask equals), the programmable GPU tier with capped fuzz counts; issue [8]: the GQA
 #          dK/dV schedules (tools/gpu/gqa_loop_probe.py)
 #   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; the programmable suite's FA4 columns (Flex FLASH, FA4's
 #          built-ins); `flashport tune --suite workloads` with FA4 eligible, merged into the shipped table, and the
@@ -19,13 +18,13 @@ a)
   timeout ${SUITE_SECONDS:-170} python -m flashport bench --suite programmable --out "$R/programmable" \
       --peers flashport-triton,flashport,flex,sdpa-mask > "$R/programmable/bench.log" 2>&1
   echo "programmable suite rc=$?"; grep -v "Warning\|warn\|run/s" "$R/programmable/bench.log" | tail -24; save
-  timeout ${PROG_SECONDS:-45} python -m pytest -q -p no:logging -p no:cacheprovider --tb=short \
-      -k "auto_serves or recompile" tests/gpu/test_programmable_gpu.py > "$R/programmable_auto.log" 2>&1
-  echo "programmable tier (auto, recompiles) rc=$?"; grep -E "passed|failed|^FAILED|^E " "$R/programmable_auto.log" | head
-  # the tier's flex fuzz (the 17th session's failure): the same draws, each verdict printed as it comes
-  [ "${FLEX_SECONDS:-60}" = 0 ] || timeout ${FLEX_SECONDS:-60} python -m flashport.fuzz.mods --n 40 --backend flex --device cuda --all-features \
-      --log "$R/mods_flex.jsonl" > "$R/mods_flex.log" 2>&1
-  echo "flex fuzz rc=$?"; grep -v "Warning\|W1207\|warn" "$R/mods_flex.log" | cut -c1-600 | tail -8; save
+  # the programmable GPU tier (blockwise, flex and triton mods fuzz, block masks, table gradients, auto's choice and
+  # the rewrites of block masks into built-in calls), its fuzz counts capped to fit
+  FLASHPORT_MODS_FUZZ_N=${MODS_N:-60} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-30} FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-40} \
+      timeout ${TIER_SECONDS:-150} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
+      --durations=10 tests/gpu/test_programmable_gpu.py > "$R/programmable_gpu.log" 2>&1
+  echo "programmable tier rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$R/programmable_gpu.log" | cut -c1-300 | head -20
+  save
   [ "${GQA_SECONDS:-90}" = 0 ] || timeout ${GQA_SECONDS:-90} python tools/gpu/gqa_loop_probe.py --out "$R/gqa_loop.json" > "$R/gqa_loop.log" 2>&1
   echo "gqa probe rc=$?"
   python - "$R/gqa_loop.json" <<'EOF2'
@@ -40,9 +39,6 @@ for r in rows:
           f"x{r.get('speedup_vs_partials', 1):.3f} err {err:.2e} {r.get('error', '')[:80]}")
 EOF2
   save
-  [ "${MODS_SECONDS:-45}" = 0 ] || timeout ${MODS_SECONDS:-45} python -m flashport.fuzz.mods --n 40 --backend triton --device cuda \
-      --log "$R/mods_triton.jsonl" > "$R/mods_triton.log" 2>&1
-  echo "mods fuzz rc=$?"; tail -3 "$R/mods_triton.log"
   ;;
 b)
   fa4_step2
