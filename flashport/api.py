@@ -56,8 +56,8 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
         docs = builtin_documents(inputs.prog, spec.batch, spec.heads_q)
         if docs is not None:
             return _documents_as_varlen(q, k, v, docs, spec, alibi_slopes, deterministic, return_lse)
-        prefix = builtin_prefix(inputs.prog, spec.batch, spec.heads_q) if spec.window_left == spec.window_right == -1 \
-            else None
+        prefix = (builtin_prefix(inputs.prog, spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
+                  if spec.window_left == spec.window_right == -1 else None)
         if prefix is not None:
             return _prefix_as_two_calls(q, k, v, prefix, spec, alibi_slopes, deterministic, return_lse)
     return _finish(*serve.call(spec, inputs, backend, key), return_lse)

@@ -12,9 +12,21 @@ from __future__ import annotations
 import torch
 
 
+def _rule(mask_mod, *rule):
+    """Mark a mask_mod with the built-in rule it is, in its own (top-left) positions: ("band", left, right) shows
+    row i the keys i - left .. i + right (-1 unbounded), ("prefix", P) the keys 0 .. max(i, P - 1).  backend=None
+    runs such a mask_mod as that rule, block mask or not (programmable.builtin_window / builtin_prefix).  Only for
+    mods whose pattern is fixed when they are made: one that reads a tensor could see it change in place."""
+    mask_mod.builtin_rule = rule
+    return mask_mod
+
+
 def causal(b, h, q_idx, kv_idx):
     """Key j visible to query i iff j <= i (top-left aligned, as Flex's causal mask)."""
     return q_idx >= kv_idx
+
+
+_rule(causal, "band", -1, 0)
 
 
 def sliding_window(window: int, sinks: int = 0):
@@ -22,14 +34,14 @@ def sliding_window(window: int, sinks: int = 0):
     sinks, StreamingLLM) visible to every later query."""
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & ((q_idx - kv_idx <= window) | (kv_idx < sinks))
-    return mask_mod
+    return _rule(mask_mod, "band", int(window), 0) if sinks <= 0 and window >= 0 else mask_mod
 
 
 def prefix_lm(prefix_len: int):
     """Bidirectional over the first `prefix_len` tokens, causal after them."""
     def mask_mod(b, h, q_idx, kv_idx):
         return (kv_idx < prefix_len) | (q_idx >= kv_idx)
-    return mask_mod
+    return _rule(mask_mod, "prefix", int(prefix_len))
 
 
 def document(doc_ids: torch.Tensor, causal: bool = True):

@@ -127,13 +127,29 @@ def _mask_only(prog: Optional[Programmable]) -> bool:
             and prog.mask_mod is prog.block_mask.mask_mod)
 
 
-def builtin_window(prog: Optional[Programmable], window: tuple, batch: int, heads_q: int) -> Optional[tuple]:
-    """The built-in window (left, right) that a call with this window and these mods equals, where the mods are a
-    mask alone whose block mask shows a band (BlockMask.band); else None.  The two rules intersect: each bound is
-    the tighter of the two (-1 = unbounded)."""
-    if not _mask_only(prog):
+def _declared(prog: Optional[Programmable]) -> Optional[tuple]:
+    """The rule a mask_mod declares (mods._rule: the ready-made causal, sliding window and prefix-LM) in a mask-only
+    call without a block mask, or None."""
+    if prog is None or prog.score_mod is not None or prog.attn_bias is not None or prog.block_mask is not None:
         return None
-    band = prog.block_mask.band(batch, heads_q)
+    return getattr(prog.mask_mod, "builtin_rule", None)
+
+
+def builtin_window(prog: Optional[Programmable], window: tuple, batch: int, heads_q: int, sq: int,
+                   sk: int) -> Optional[tuple]:
+    """The built-in window (left, right) that a call with this window and these mods equals, where the mods are a
+    mask alone that is a band: its block mask shows one (BlockMask.band), or its mask_mod declares one in top-left
+    positions that the bottom-right rule can say for (Sq, Sk); else None.  The two rules intersect: each bound is
+    the tighter of the two (-1 = unbounded)."""
+    if _mask_only(prog):
+        band = prog.block_mask.band(batch, heads_q)
+    else:
+        rule, off = _declared(prog), sk - sq
+        band = None
+        if rule is not None and rule[0] == "band":
+            band = tuple(-1 if w < 0 else w + sign * off for w, sign in zip(rule[1:], (1, -1)))
+            if any(w >= 0 > v for w, v in zip(rule[1:], band)):
+                band = None          # top-left bounds past the bottom-right diagonal: not a built-in window
     if band is None:
         return None
     return tuple(b if w < 0 else w if b < 0 else min(w, b) for w, b in zip(window, band))
@@ -144,9 +160,13 @@ def builtin_documents(prog: Optional[Programmable], batch: int, heads_q: int) ->
     return prog.block_mask.documents(batch, heads_q) if _mask_only(prog) else None
 
 
-def builtin_prefix(prog: Optional[Programmable], batch: int, heads_q: int) -> Optional[int]:
-    """BlockMask.prefix of a mask-only call: the prefix length P of its prefix-LM mask, or None."""
-    return prog.block_mask.prefix(batch, heads_q) if _mask_only(prog) else None
+def builtin_prefix(prog: Optional[Programmable], batch: int, heads_q: int, sq: int, sk: int) -> Optional[int]:
+    """The prefix length P of a mask-only call's prefix-LM mask (BlockMask.prefix, or a mask_mod that declares it,
+    with Sq = Sk and 1 < P < S), or None."""
+    if _mask_only(prog):
+        return prog.block_mask.prefix(batch, heads_q)
+    rule = _declared(prog)
+    return rule[1] if rule is not None and rule[0] == "prefix" and sq == sk and 1 < rule[1] < sq else None
 
 
 def build(score_mod, mask_mod, block_mask, attn_bias, *, batch: int, heads_q: int, sq: int, sk: int,

@@ -279,9 +279,9 @@ def _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropou
 def dense_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                deterministic, return_lse, score_mod=None, mask_mod=None, block_mask=None,
                attn_bias=None, builtin_rules=False) -> tuple[AttnSpec, AttnInputs]:
-    """builtin_rules: a mask-only call whose block mask shows a window (BlockMask.band) becomes that built-in
-    window, which every backend runs without evaluating a mod (backend=None's calls; a named backend keeps
-    the mods it was asked to run)."""
+    """builtin_rules: a mask-only call that is a window (its block mask shows one, or its mask_mod declares one:
+    programmable.builtin_window) becomes that built-in window, which every backend runs without evaluating a mod
+    (backend=None's calls; a named backend keeps the mods it was asked to run)."""
     for t, n in ((q, "q"), (k, "k"), (v, "v")):
         _tensor(t, n)
     _rank(q, "q", 4, "[B, Sq, Hq, D]")
@@ -297,7 +297,8 @@ def dense_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_sl
                    deterministic, return_lse, b, hq, sq + k.shape[1])
     prog = build_programmable(score_mod, mask_mod, block_mask, attn_bias, batch=b, heads_q=hq, sq=sq,
                               sk=k.shape[1], device=q.device)
-    window = builtin_window(prog, (opts["window_left"], opts["window_right"]), b, hq) if builtin_rules else None
+    window = (builtin_window(prog, (opts["window_left"], opts["window_right"]), b, hq, sq, k.shape[1])
+              if builtin_rules else None)
     if window is not None:
         opts.update(window_left=window[0], window_right=window[1])
         prog = None

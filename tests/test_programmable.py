@@ -275,18 +275,18 @@ def test_auto_passes_over_a_backend_that_refuses_the_inputs(monkeypatch):
     # in its order where that backend refuses (sdpa-cpu serves mask_mod ahead of blockwise on a CPU).
     q, k, v, _ = _inputs(torch.float64)
     flashport.reset_stats()
-    flashport.attention(q, k, v, mask_mod=mods.sliding_window(3))
+    flashport.attention(q, k, v, mask_mod=mods.sliding_window(3, sinks=1))
     assert [n for n, s in flashport.stats().items() if s["calls"]] == ["sdpa-cpu"]
     asked = []
     monkeypatch.setattr(flashport.dispatch.get("sdpa-cpu"), "input_reasons",
                         lambda spec, inputs: asked.append(inputs.prog.mask_mod) or ["pretend: this mod does not compile"])
     flashport.reset_stats()
-    out = flashport.attention(q, k, v, mask_mod=mods.sliding_window(3))
+    out = flashport.attention(q, k, v, mask_mod=mods.sliding_window(3, sinks=1))
     assert asked and [n for n, s in flashport.stats().items() if s["calls"]] == ["blockwise"]
-    ref = flashport.attention(q, k, v, backend="reference", mask_mod=mods.sliding_window(3))
+    ref = flashport.attention(q, k, v, backend="reference", mask_mod=mods.sliding_window(3, sinks=1))
     torch.testing.assert_close(out, ref, rtol=0, atol=1e-12)
     # a named backend is never passed over: it serves or says why (input_reasons are auto's)
-    flashport.attention(q, k, v, mask_mod=mods.sliding_window(3), backend="sdpa-cpu")
+    flashport.attention(q, k, v, mask_mod=mods.sliding_window(3, sinks=1), backend="sdpa-cpu")
 
 
 def test_auto_names_every_input_refusal_when_none_accepts(monkeypatch):
@@ -294,7 +294,7 @@ def test_auto_names_every_input_refusal_when_none_accepts(monkeypatch):
     for name in ("sdpa-cpu", "blockwise"):
         monkeypatch.setattr(flashport.dispatch.get(name), "input_reasons", lambda spec, inputs, n=name: [f"{n} says no"])
     with pytest.raises(flashport.UnsupportedError, match="(?s)sdpa-cpu says no.*blockwise says no"):
-        flashport.attention(q, k, v, mask_mod=mods.sliding_window(3))
+        flashport.attention(q, k, v, mask_mod=mods.sliding_window(3, sinks=1))
 
 
 def test_a_backend_without_mods_refuses_with_the_reason():
@@ -541,3 +541,46 @@ def test_prefix_runs_as_two_builtin_calls(monkeypatch):
     seen.clear()
     flashport.attention(q, k, v, block_mask=bm, window_size=(20, 20))
     assert seen == []
+
+
+@pytest.mark.parametrize("sq, sk", [(40, 40), (40, 64), (64, 40), (1, 9), (9, 1)])
+def test_declared_rules_are_the_masks_they_declare(sq, sk):
+    """The ready-made mods that declare a built-in rule (mods._rule) show, under the rule backend=None runs them
+    as, exactly the pairs their mask_mod shows; where no built-in rule can say the mask, none is taken."""
+    from flashport.programmable import builtin_prefix, builtin_window
+    i, j = torch.arange(sq)[:, None], torch.arange(sk)[None, :]
+    for mod in (mods.causal, mods.sliding_window(0), mods.sliding_window(5), mods.sliding_window(100),
+                mods.prefix_lm(1), mods.prefix_lm(7), mods.prefix_lm(40)):
+        prog = build(None, mod, None, None, batch=1, heads_q=1, sq=sq, sk=sk, device="cpu")
+        dense = torch.broadcast_to(mod(0, 0, i, j), (sq, sk))
+        window = builtin_window(prog, (-1, -1), 1, 1, sq, sk)
+        prefix = builtin_prefix(prog, 1, 1, sq, sk)
+        if window is not None:
+            assert torch.equal(_rule(sq, sk, *window), dense)
+        if prefix is not None:
+            assert torch.equal(torch.broadcast_to((j < prefix) | (j <= i), (sq, sk)), dense)
+        kind, *args = mod.builtin_rule
+        if sq == sk:   # every band is a built-in window; a prefix only strictly inside the sequence
+            assert (window is not None or prefix is not None) == (kind == "band" or 1 < args[0] < sq)
+        if sq < sk and mod is mods.causal:   # top-left causal over more keys is no bottom-right rule
+            assert window is None
+    # a sliding window with sinks declares nothing
+    assert not hasattr(mods.sliding_window(5, sinks=2), "builtin_rule")
+
+
+def test_declared_rules_run_as_builtin_calls():
+    """backend=None runs mask_mod=mods.causal / sliding_window / prefix_lm (no block mask) as the built-in call, bit for
+    bit; a named backend evaluates the mod."""
+    from flashport.spec import dense_spec
+    q, k, v, _ = _inputs(torch.float32, sq=40, sk=40)
+    opts = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                dropout_p=0.0, deterministic=False, return_lse=False)
+    for mod, builtin in ((mods.causal, dict(causal=True)), (mods.sliding_window(6), dict(window_size=(6, 0)))):
+        spec, inputs = dense_spec(q, k, v, mask_mod=mod, builtin_rules=True, **opts)
+        assert spec.mods == () and inputs.prog is None
+        assert torch.equal(flashport.attention(q, k, v, mask_mod=mod), flashport.attention(q, k, v, **builtin))
+        assert dense_spec(q, k, v, mask_mod=mod, **opts)[0].mods == ("mask_mod",)
+    out = flashport.attention(q, k, v, mask_mod=mods.prefix_lm(9))
+    want = torch.cat([flashport.attention(q[:, :9], k[:, :9], v[:, :9]),
+                      flashport.attention(q[:, 9:], k, v, causal=True)], 1)
+    assert torch.equal(out, want)

@@ -151,10 +151,11 @@ def run(c: dict, backend: str | None = "blockwise", device="cpu") -> dict:
     for name, a, b, m, e in zip(("dq", "dk", "dv", "d_extra1", "d_extra2"), got, want, math, terms):
         check(name, a, b, m, 3.0, mag, e)
     # what backend=None made of a mask-only block mask: a built-in window, or documents run as a varlen call
-    window = builtin_window(prog, (-1, 0 if c["causal"] else -1), c["b"], c["hq"]) if backend is None else None
+    window = (builtin_window(prog, (-1, 0 if c["causal"] else -1), c["b"], c["hq"], c["sq"], c["sk"])
+              if backend is None else None)
     docs = builtin_documents(prog, c["b"], c["hq"]) if backend is None and window is None else None
-    prefix = (builtin_prefix(prog, c["b"], c["hq"]) if backend is None and window is None and not c["causal"]
-              else None)
+    prefix = (builtin_prefix(prog, c["b"], c["hq"], c["sq"], c["sk"]) if backend is None and window is None
+              and not c["causal"] else None)
     return dict(status="FAIL" if problems else "PASS", worst=worst, problems=problems, builtin_window=window,
                 as_varlen=docs is not None, as_two_calls=prefix is not None)
 

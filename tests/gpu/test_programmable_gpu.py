@@ -52,16 +52,24 @@ def test_auto_serves_mods_on_cuda_with_a_declared_backend():
     from flashport import mods
     q = torch.randn(1, 512, 4, 64, device="cuda", dtype=torch.bfloat16)
     flashport.reset_stats()
-    flashport.attention(q, q, q, mask_mod=mods.sliding_window(64))
+    window = (lambda b, h, i, j: (i >= j) & (i - j <= 64))    # a mask_mod declaring no built-in rule (mods._rule)
+    flashport.attention(q, q, q, mask_mod=window)
     used = [n for n, s in flashport.stats().items() if s["calls"]]
     assert used == ["triton"]   # the compiled mod, not blockwise at PyTorch-op speed
+    # a ready-made window declares its rule: it runs as the built-in window, on the same backend, bit for bit
+    runs = []
+    for kw in (dict(window_size=(64, 0)), dict(mask_mod=mods.sliding_window(64))):
+        flashport.reset_stats()
+        out = flashport.attention(q, q, q, **kw)
+        runs.append((out, [n for n, s in flashport.stats().items() if s["calls"]]))
+    assert torch.equal(runs[0][0], runs[1][0]) and runs[0][1] == runs[1][1]
     # a mod the generator refuses goes to the next plan, with the reason in the slow-path warning
     from flashport.backend import triton as tb
     orig = tb.mod_reasons
     try:
         tb.mod_reasons = lambda spec, prog: ["pretend: not compilable"]
         flashport.reset_stats()
-        flashport.attention(q, q, q, mask_mod=mods.sliding_window(32))
+        flashport.attention(q, q, q, mask_mod=lambda b, h, i, j: (i >= j) & (i - j <= 32))
     finally:
         tb.mod_reasons = orig
     used = [n for n, s in flashport.stats().items() if s["calls"]]
