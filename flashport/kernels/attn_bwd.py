@@ -424,8 +424,9 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
                       a.skip(cfg.block_m, cfg.block_n), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
                       SCORE_GRAD=a.score_grad, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
 
-    launch_with_fallback("bwd_dkdv", spec, q.device, launch_dkdv, configs.get("bwd_dkdv"))
-    launch_with_fallback("bwd_dq", spec, q.device, launch_dq, configs.get("bwd_dq"))
+    variant = (a.variant, a.constexprs["BLOCK_SKIP"], group_loop)
+    launch_with_fallback("bwd_dkdv", spec, q.device, launch_dkdv, configs.get("bwd_dkdv"), variant)
+    launch_with_fallback("bwd_dq", spec, q.device, launch_dq, configs.get("bwd_dq"), variant)
     if expand:  # [..., Hq, D] -> [..., Hkv, G, D] summed over G (query head h belongs to kv head h // G)
         dk.copy_(dk_out.unflatten(-2, (hkv, spec.group_size)).sum(-2))
         dv.copy_(dv_out.unflatten(-2, (hkv, spec.group_size)).sum(-2))

@@ -274,4 +274,4 @@ def _launch(spec, q, k, v, out, lse, lse2, o_strides, l_strides, a: KernelArgs, 
             BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCALE_FOLD=scale_fold,
             num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs, **(pages or {}))
 
-    launch_with_fallback("fwd", spec, q.device, launch, config)
+    launch_with_fallback("fwd", spec, q.device, launch, config, (a.variant, a.constexprs["BLOCK_SKIP"]))

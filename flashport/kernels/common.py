@@ -372,6 +372,8 @@ class KernelArgs:
         ALiBi slope in the kernel) and convert to log2 after it."""
         self.mods = None if mods is None else mods.cap()
         self.score_grad = None if mods is None else mods.score_grad   # the backward kernels' SCORE_GRAD
+        # what the mods add to a kernel's footprint, for tuning.launch_with_fallback's remembered configs
+        self.variant = () if mods is None else (mods.score, mods.mask, mods.score_grad, mods.cap_grad)
         self.constexprs.update(SCORE_MOD=None if mods is None else mods.score,
                                MASK_MOD=None if mods is None else mods.mask)
         if mods is not None and mods.score is not None:

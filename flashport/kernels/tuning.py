@@ -262,20 +262,26 @@ _chosen: dict = {}
 
 
 def launch_with_fallback(kernel: str, spec, device: torch.device, launch: Callable[[KernelConfig], None],
-                         config: Optional[KernelConfig] = None) -> KernelConfig:
-    """Run `launch(cfg)` with the first candidate that the card can run (remembered per key)."""
+                         config: Optional[KernelConfig] = None, variant=()) -> KernelConfig:
+    """Run `launch(cfg)` with the first candidate that the card can run (remembered per key).  variant: what
+    else changes the kernel's footprint (the compiled mods: an attn_bias read or a table's gradient needs more
+    shared memory than the same shape without them, so they must not share a remembered config)."""
     if config is not None:
         launch(config)
         return config
     if device.type != "cuda":
         launch(INTERPRETER_CONFIG)
         return INTERPRETER_CONFIG
-    # exact head dims in the key: D=64/Dv=128 and D=128/Dv=128 share a bucket but not a smem footprint
-    key = (kernel, str(device), spec.head_dim, spec.head_dim_v, spec.dtype, mask_key(spec), length_key(spec))
-    if key in _chosen:
-        launch(_chosen[key])
-        return _chosen[key]
     from triton.runtime.errors import OutOfResources
+    # exact head dims in the key: D=64/Dv=128 and D=128/Dv=128 share a bucket but not a smem footprint
+    key = (kernel, str(device), spec.head_dim, spec.head_dim_v, spec.dtype, mask_key(spec), length_key(spec),
+           variant)
+    if key in _chosen:
+        try:
+            launch(_chosen[key])
+            return _chosen[key]
+        except OutOfResources:   # a footprint the key does not tell apart: choose again
+            del _chosen[key]
     last = None
     for cfg in candidates(kernel, spec, device):
         try:
