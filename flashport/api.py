@@ -55,11 +55,11 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     if backend is None and inputs.prog is not None and not spec.dropout_p:
         docs = builtin_documents(inputs.prog, spec.batch, spec.heads_q)
         if docs is not None:
-            return _documents_as_varlen(q, k, v, docs, spec, alibi_slopes, deterministic, return_lse)
+            return _documents_as_varlen(q, k, v, docs, spec, inputs.alibi_slopes, deterministic, return_lse)
         prefix = (builtin_prefix(inputs.prog, spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
                   if spec.window_left == spec.window_right == -1 else None)
         if prefix is not None:
-            return _prefix_as_two_calls(q, k, v, prefix, spec, alibi_slopes, deterministic, return_lse)
+            return _prefix_as_two_calls(q, k, v, prefix, spec, inputs.alibi_slopes, deterministic, return_lse)
     return _finish(*serve.call(spec, inputs, backend, key), return_lse)
 
 

@@ -12,13 +12,14 @@ from __future__ import annotations
 import torch
 
 
-def _rule(mask_mod, *rule):
-    """Mark a mask_mod with the built-in rule it is, in its own (top-left) positions: ("band", left, right) shows
-    row i the keys i - left .. i + right (-1 unbounded), ("prefix", P) the keys 0 .. max(i, P - 1).  backend=None
-    runs such a mask_mod as that rule, block mask or not (programmable.builtin_window / builtin_prefix).  Only for
-    mods whose pattern is fixed when they are made: one that reads a tensor could see it change in place."""
-    mask_mod.builtin_rule = rule
-    return mask_mod
+def _rule(mod, *rule):
+    """Mark a mod with the built-in feature it is, in its own (top-left) positions: for a mask_mod ("band", left,
+    right) shows row i the keys i - left .. i + right (-1 unbounded), ("prefix", P) the keys 0 .. max(i, P - 1); for
+    a score_mod ("alibi", slopes) is the built-in ALiBi with those slopes.  backend=None runs such a mod as that
+    feature, block mask or not (flashport/programmable.py's builtin_*).  Only for mods whose pattern is fixed
+    when they are made, or that read a tensor the built-in reads too (the slopes, read at each call)."""
+    mod.builtin_rule = rule
+    return mod
 
 
 def causal(b, h, q_idx, kv_idx):
@@ -60,7 +61,7 @@ def alibi(slopes: torch.Tensor):
     """ALiBi as a score_mod: score - slopes[h] * |q_idx - kv_idx| (slopes [Hq] float32)."""
     def score_mod(score, b, h, q_idx, kv_idx):
         return score - slopes[h] * (q_idx - kv_idx).abs()
-    return score_mod
+    return _rule(score_mod, "alibi", slopes)
 
 
 def tanh_softcap(cap: float):

@@ -155,6 +155,22 @@ def builtin_window(prog: Optional[Programmable], window: tuple, batch: int, head
     return tuple(b if w < 0 else w if b < 0 else min(w, b) for w, b in zip(window, band))
 
 
+def builtin_alibi(prog: Optional[Programmable], alibi: Optional[str], heads_q: int, sq: int, sk: int, device):
+    """The slopes of a score_mod that declares it is ALiBi (mods.alibi), where the built-in ALiBi says the same (Sq
+    = Sk, so its bottom-right distance is |i - j|; float32 slopes [Hq] on the call's device that need no gradient;
+    the call has no slopes of its own), with the mods left without it; else (None, prog).  The pipeline puts the
+    built-in ALiBi after softcap and before the score_mod, so with no other score_mod the order is the same."""
+    rule = None if prog is None or prog.score_mod is None else getattr(prog.score_mod, "builtin_rule", None)
+    if rule is None or rule[0] != "alibi" or alibi is not None or sq != sk:
+        return None, prog
+    slopes = rule[1]
+    if (not isinstance(slopes, torch.Tensor) or slopes.dtype != torch.float32 or tuple(slopes.shape) != (heads_q,)
+            or slopes.device != torch.device(device) or slopes.requires_grad):
+        return None, prog
+    rest = Programmable(None, prog.mask_mod, prog.block_mask, prog.attn_bias, ())
+    return slopes, (rest if rest.features else None)
+
+
 def builtin_documents(prog: Optional[Programmable], batch: int, heads_q: int) -> Optional[tuple]:
     """BlockMask.documents of a mask-only call: (cu_seqlens, max_seqlen, per_entry, causal), or None."""
     return prog.block_mask.documents(batch, heads_q) if _mask_only(prog) else None

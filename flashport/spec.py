@@ -21,7 +21,7 @@ import torch
 from . import env
 from .masks import Visibility
 from .overlap import overlaps
-from .programmable import Programmable, build as build_programmable, builtin_window
+from .programmable import Programmable, build as build_programmable, builtin_alibi, builtin_window
 
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -297,6 +297,10 @@ def dense_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_sl
                    deterministic, return_lse, b, hq, sq + k.shape[1])
     prog = build_programmable(score_mod, mask_mod, block_mask, attn_bias, batch=b, heads_q=hq, sq=sq,
                               sk=k.shape[1], device=q.device)
+    if builtin_rules:
+        slopes, prog = builtin_alibi(prog, opts["alibi"], hq, sq, k.shape[1], q.device)
+        if slopes is not None:
+            alibi_slopes, opts["alibi"] = slopes, "head"
     window = (builtin_window(prog, (opts["window_left"], opts["window_right"]), b, hq, sq, k.shape[1])
               if builtin_rules else None)
     if window is not None:

@@ -584,3 +584,30 @@ def test_declared_rules_run_as_builtin_calls():
     want = torch.cat([flashport.attention(q[:, :9], k[:, :9], v[:, :9]),
                       flashport.attention(q[:, 9:], k, v, causal=True)], 1)
     assert torch.equal(out, want)
+
+
+def test_declared_alibi_runs_as_the_builtin_alibi():
+    """score_mod=mods.alibi(slopes) runs as alibi_slopes=slopes (bit for bit the built-in call, with a declared or
+    block-mask rule beside it), exact against the reference; not where the built-in cannot say it: Sq != Sk, slopes
+    that need a gradient, a call with slopes of its own."""
+    from flashport.spec import dense_spec
+    q, k, v, do = _inputs(torch.float32, sq=40, sk=40)
+    slopes = torch.rand(HQ, generator=torch.Generator().manual_seed(2))
+    opts = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                dropout_p=0.0, deterministic=False, return_lse=False)
+    spec, inputs = dense_spec(q, k, v, score_mod=mods.alibi(slopes), mask_mod=mods.causal, builtin_rules=True, **opts)
+    assert (spec.mods, spec.alibi, spec.window_right, inputs.prog) == ((), "head", 0, None)
+    assert inputs.alibi_slopes is slopes
+    bm = flashport.create_block_mask(mods.causal, None, None, 40, 40, block_size=8)
+    out = flashport.attention(q, k, v, score_mod=mods.alibi(slopes), block_mask=bm)
+    assert torch.equal(out, flashport.attention(q, k, v, alibi_slopes=slopes, causal=True))
+    ref = flashport.attention(q, k, v, score_mod=mods.alibi(slopes), block_mask=bm, backend="reference")
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    for got, want in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)):
+        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+    q2, k2, v2, _ = _inputs(torch.float32, sq=24, sk=40)
+    kept = [dense_spec(q2, k2, v2, score_mod=mods.alibi(slopes), builtin_rules=True, **opts)[0],
+            dense_spec(q, k, v, score_mod=mods.alibi(slopes.clone().requires_grad_()), builtin_rules=True, **opts)[0],
+            dense_spec(q, k, v, score_mod=mods.alibi(slopes), builtin_rules=True,
+                       **{**opts, "alibi_slopes": slopes})[0]]
+    assert [s.mods for s in kept] == [("score_mod",)] * 3

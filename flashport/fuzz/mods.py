@@ -24,7 +24,7 @@ import torch
 from .. import mods
 from ..check import flash_extras, magnitude, rule_error
 from ..backend.reference import materialized_attention
-from ..programmable import build, builtin_documents, builtin_prefix, builtin_window
+from ..programmable import build, builtin_alibi, builtin_documents, builtin_prefix, builtin_window
 
 MASKS = ("none", "causal", "window_sinks", "prefix_lm", "document", "block_sparse", "empty_rows")
 ALL_MASKS = MASKS + ("band",)   # "band" is drawn apart, last (see draw)
@@ -156,8 +156,9 @@ def run(c: dict, backend: str | None = "blockwise", device="cpu") -> dict:
     docs = builtin_documents(prog, c["b"], c["hq"]) if backend is None and window is None else None
     prefix = (builtin_prefix(prog, c["b"], c["hq"], c["sq"], c["sk"]) if backend is None and window is None
               and not c["causal"] else None)
+    slopes = builtin_alibi(prog, None, c["hq"], c["sq"], c["sk"], device)[0] if backend is None else None
     return dict(status="FAIL" if problems else "PASS", worst=worst, problems=problems, builtin_window=window,
-                as_varlen=docs is not None, as_two_calls=prefix is not None)
+                as_varlen=docs is not None, as_two_calls=prefix is not None, as_builtin_alibi=slopes is not None)
 
 
 def main(argv=None) -> int:
@@ -183,7 +184,8 @@ def main(argv=None) -> int:
             counts[f"{key}={c[key]}"] = counts.get(f"{key}={c[key]}", 0) + 1
         if r.get("builtin_window") is not None:   # ran as a built-in window (backend=None)
             counts["as_builtin_window"] = counts.get("as_builtin_window", 0) + 1
-        for rewrite in ("as_varlen", "as_two_calls"):   # documents as varlen, prefix-LM as two calls (backend=None)
+        for rewrite in ("as_varlen", "as_two_calls", "as_builtin_alibi"):   # documents as varlen, prefix-LM as two
+            # calls, mods.alibi as alibi_slopes (backend=None)
             counts[rewrite] = counts.get(rewrite, 0) + bool(r.get(rewrite))
         counts[f"block_mask={c['block'] and c['mask'] != 'none'}"] = counts.get(
             f"block_mask={c['block'] and c['mask'] != 'none'}", 0) + 1
