@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The 19th session's device calls (the 18th session's plan, which got no machine, and part c), on one warm machine; each
 # part returns $OUT/<part>.tgz, rewritten after every step and every 20 s,
-# so a call cut at its limit still brings back what finished):
+# so that a call cut at its limit still brings back what finished:
 #   PART=a (carry .fa4a): FA4 step 1; issue [15]: the programmable suite without the FA4 columns (the Triton kernels'
 #          table gradients and attn_bias timed against Flex; `flashport` = backend=None: the compiled mods, or the
 #          built-in call a block mask equals), the programmable GPU tier with capped fuzz counts; issue [8]: the GQA
