@@ -5,7 +5,7 @@ import torch
 
 from . import ops, plan_cache, serve
 from .merge import merge_states_torch, validate_states
-from .programmable import builtin_documents, builtin_prefix
+from .programmable import builtin_documents, builtin_prefix, builtin_sinks
 from .spec import dense_spec, kvcache_inputs, kvcache_spec, varlen_spec
 
 # Under torch.compile each entry point is one custom op (flashport/ops.py): Dynamo never traces this module's
@@ -60,7 +60,28 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                   if spec.window_left == spec.window_right == -1 else None)
         if prefix is not None:
             return _prefix_as_two_calls(q, k, v, prefix, spec, inputs.alibi_slopes, deterministic, return_lse)
+        sinks = (builtin_sinks(inputs.prog, spec.seqlen_q, spec.seqlen_k) if spec.window_left == -1
+                 and spec.window_right in (-1, 0) and spec.alibi is None and spec.dtype != torch.float64 else None)
+        if sinks is not None:
+            return _sinks_as_two_calls(q, k, v, *sinks, spec, deterministic, return_lse)
     return _finish(*serve.call(spec, inputs, backend, key), return_lse)
+
+
+def _sinks_as_two_calls(q, k, v, w, n, spec, deterministic, return_lse):
+    """A sliding window of w keys with n attention sinks (mods.sliding_window(w, n): row i sees keys i - w .. i and
+    the first n keys up to i) as two built-in calls merged by their lse: the window, and the sink keys the window
+    does not reach (keys j < m = min(n, S - w - 1) with j <= i - w - 1: bottom-right, a right bound of
+    S - m - w - 1).  The key sets are disjoint, so the merge is exact (merge_attention_states, in float32 with the
+    float32 lse: float64 calls keep the mods).  No ALiBi: the sinks' call would measure distances from its own
+    diagonal."""
+    s = q.shape[1]
+    kw = dict(softmax_scale=spec.softmax_scale, softcap=spec.softcap, deterministic=deterministic, return_lse=True)
+    out, lse = attention(q, k, v, window_size=(w, 0), **kw)
+    m = min(n, s - w - 1)
+    if m > 0:
+        out_s, lse_s = attention(q, k[:, :m], v[:, :m], window_size=(-1, s - m - w - 1), **kw)
+        out, lse = merge_attention_states([out, out_s], [lse, lse_s])
+    return (out, lse) if return_lse else out
 
 
 def _prefix_as_two_calls(q, k, v, p, spec, alibi_slopes, deterministic, return_lse):

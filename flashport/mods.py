@@ -14,7 +14,8 @@ import torch
 
 def _rule(mod, *rule):
     """Mark a mod with the built-in feature it is, in its own (top-left) positions: for a mask_mod ("band", left,
-    right) shows row i the keys i - left .. i + right (-1 unbounded), ("prefix", P) the keys 0 .. max(i, P - 1); for
+    right) shows row i the keys i - left .. i + right (-1 unbounded), ("prefix", P) the keys 0 .. max(i, P - 1),
+    ("sinks", w, n) the keys i - w .. i and the first n keys up to i; for
     a score_mod ("alibi", slopes) is the built-in ALiBi with those slopes.  backend=None runs such a mod as that
     feature, block mask or not (flashport/programmable.py's builtin_*).  Only for mods whose pattern is fixed
     when they are made, or that read a tensor the built-in reads too (the slopes, read at each call)."""
@@ -35,7 +36,9 @@ def sliding_window(window: int, sinks: int = 0):
     sinks, StreamingLLM) visible to every later query."""
     def mask_mod(b, h, q_idx, kv_idx):
         return (q_idx >= kv_idx) & ((q_idx - kv_idx <= window) | (kv_idx < sinks))
-    return _rule(mask_mod, "band", int(window), 0) if sinks <= 0 and window >= 0 else mask_mod
+    if window < 0:
+        return mask_mod
+    return _rule(mask_mod, "band", int(window), 0) if sinks <= 0 else _rule(mask_mod, "sinks", int(window), int(sinks))
 
 
 def prefix_lm(prefix_len: int):

@@ -185,6 +185,19 @@ def builtin_prefix(prog: Optional[Programmable], batch: int, heads_q: int, sq: i
     return rule[1] if rule is not None and rule[0] == "prefix" and sq == sk and 1 < rule[1] < sq else None
 
 
+def builtin_sinks(prog: Optional[Programmable], sq: int, sk: int) -> Optional[tuple]:
+    """(window, sinks) of a mask-only call whose mask_mod declares a sliding window with attention sinks
+    (mods.sliding_window(w, sinks)), alone or with the block mask create_block_mask built from it, Sq = Sk; else
+    None."""
+    if prog is None or prog.score_mod is not None or prog.attn_bias is not None or sq != sk:
+        return None
+    bm = prog.block_mask
+    if bm is not None and (not bm.find_band or bm.mask_mod is not prog.mask_mod):
+        return None          # a block mask that may hide more than its mask_mod (converted from torch's)
+    rule = getattr(prog.mask_mod, "builtin_rule", None)
+    return rule[1:] if rule is not None and rule[0] == "sinks" else None
+
+
 def build(score_mod, mask_mod, block_mask, attn_bias, *, batch: int, heads_q: int, sq: int, sk: int,
           device) -> Optional[Programmable]:
     """Validate the programmable keywords of a dense call (names in every error) -> Programmable or None."""

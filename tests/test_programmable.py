@@ -564,8 +564,10 @@ def test_declared_rules_are_the_masks_they_declare(sq, sk):
             assert (window is not None or prefix is not None) == (kind == "band" or 1 < args[0] < sq)
         if sq < sk and mod is mods.causal:   # top-left causal over more keys is no bottom-right rule
             assert window is None
-    # a sliding window with sinks declares nothing
-    assert not hasattr(mods.sliding_window(5, sinks=2), "builtin_rule")
+    # a sliding window with sinks is no window: it declares its sinks (two calls, test_sinks_run_as_...)
+    sinks = build(None, mods.sliding_window(5, sinks=2), None, None, batch=1, heads_q=1, sq=sq, sk=sk, device="cpu")
+    assert mods.sliding_window(5, sinks=2).builtin_rule == ("sinks", 5, 2)
+    assert builtin_window(sinks, (-1, -1), 1, 1, sq, sk) is None and builtin_prefix(sinks, 1, 1, sq, sk) is None
 
 
 def test_declared_rules_run_as_builtin_calls():
@@ -611,3 +613,37 @@ def test_declared_alibi_runs_as_the_builtin_alibi():
             dense_spec(q, k, v, score_mod=mods.alibi(slopes), builtin_rules=True,
                        **{**opts, "alibi_slopes": slopes})[0]]
     assert [s.mods for s in kept] == [("score_mod",)] * 3
+
+
+def test_sinks_run_as_a_window_and_a_merged_sink_call(monkeypatch):
+    """mask_mod=mods.sliding_window(w, sinks=n) (with or without the block mask built from it) runs as the window
+    plus the sink keys it does not reach, merged by lse: exact against the reference (outputs, lse, gradients),
+    over windows that reach every sink, none, and all but some; float64 and ALiBi calls keep the mods."""
+    import flashport.api as api
+    seen = []
+    real = api._sinks_as_two_calls
+    monkeypatch.setattr(api, "_sinks_as_two_calls", lambda q, k, v, w, n, *a: seen.append((w, n)) or
+                        real(q, k, v, w, n, *a))
+    for s, w, n in ((40, 8, 3), (40, 37, 4), (40, 39, 2), (7, 3, 9)):
+        q, k, v, do = _inputs(torch.float32, sq=s, sk=s)
+        mod = mods.sliding_window(w, sinks=n)
+        for kw in (dict(mask_mod=mod), dict(block_mask=flashport.create_block_mask(mod, None, None, s, s, block_size=8)),
+                   dict(mask_mod=mod, causal=True, softcap=4.0)):
+            seen.clear()
+            out, lse = flashport.attention(q, k, v, return_lse=True, **kw)
+            bm = kw.get("block_mask")
+            # a window that reaches back to the sinks is a causal band: its block mask runs as the window instead
+            assert seen == ([] if bm is not None and bm.band(B, HQ) is not None else [(w, n)])
+            ref, ref_lse = flashport.attention(q, k, v, return_lse=True, backend="reference", **kw)
+            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+            torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-5)
+            got = torch.autograd.grad((out * do).sum() + lse.sum(), (q, k, v))
+            want = torch.autograd.grad((ref * do).sum() + ref_lse.sum(), (q, k, v))
+            for a, b in zip(got, want):
+                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    seen.clear()
+    q, k, v, _ = _inputs(torch.float64, sq=40, sk=40)
+    flashport.attention(q, k, v, mask_mod=mods.sliding_window(8, sinks=2))
+    flashport.attention(q.float(), k.float(), v.float(), mask_mod=mods.sliding_window(8, sinks=2),
+                        alibi_slopes=torch.rand(HQ))
+    assert seen == []

@@ -24,7 +24,7 @@ import torch
 from .. import mods
 from ..check import flash_extras, magnitude, rule_error
 from ..backend.reference import materialized_attention
-from ..programmable import build, builtin_alibi, builtin_documents, builtin_prefix, builtin_window
+from ..programmable import build, builtin_alibi, builtin_documents, builtin_prefix, builtin_sinks, builtin_window
 
 MASKS = ("none", "causal", "window_sinks", "prefix_lm", "document", "block_sparse", "empty_rows")
 ALL_MASKS = MASKS + ("band",)   # "band" is drawn apart, last (see draw)
@@ -44,15 +44,18 @@ def draw(seed: int, index: int) -> dict:
                 window=rng.randint(1, 20), grad_table=rng.random() < 0.7, grad_bias=rng.random() < 0.7)
     # drawn last, so the fields above stay what earlier seeds drew: block masks that are built-in rules, which
     # backend=None runs as such -- a window (bottom-right, in absolute positions as users write it), packed
-    # documents (a varlen call) or prefix-LM (two built-in calls)
+    # documents (a varlen call), prefix-LM or a window with sinks (two built-in calls)
     if rng.random() < 0.3:
-        kind = rng.choice(("band", "document", "prefix_lm"))
+        kind = rng.choice(("band", "document", "prefix_lm", "window_sinks"))
         if kind == "band":
             c.update(mask="band", band=(rng.choice((-1, 0, 1, 5, 17)), rng.choice((-1, 0, 2, 9))), block=True)
-        else:   # documents and prefix-LM are rules of Sq = Sk (the prefix shorter than the sequence, no causal flag)
+        else:   # documents, prefix-LM and sinks are rules of Sq = Sk (the prefix shorter than the sequence, no causal
+            # flag)
             c.update(mask=kind, doc_causal=rng.random() < 0.5, block=True, sk=sq)
             if kind == "prefix_lm":
                 c.update(window=rng.randint(1, max(1, sq - 1)), causal=False)
+            if kind == "window_sinks":   # the declared rule serves it with its block mask or without one
+                c.update(block=rng.random() < 0.5)
         if rng.random() < 0.7:
             c.update(score="none", bias="none")
     return c
@@ -157,8 +160,10 @@ def run(c: dict, backend: str | None = "blockwise", device="cpu") -> dict:
     prefix = (builtin_prefix(prog, c["b"], c["hq"], c["sq"], c["sk"]) if backend is None and window is None
               and not c["causal"] else None)
     slopes = builtin_alibi(prog, None, c["hq"], c["sq"], c["sk"], device)[0] if backend is None else None
+    sinks = builtin_sinks(prog, c["sq"], c["sk"]) if backend is None and dtype != torch.float64 else None
     return dict(status="FAIL" if problems else "PASS", worst=worst, problems=problems, builtin_window=window,
-                as_varlen=docs is not None, as_two_calls=prefix is not None, as_builtin_alibi=slopes is not None)
+                as_varlen=docs is not None, as_two_calls=prefix is not None or sinks is not None,
+                as_builtin_alibi=slopes is not None)
 
 
 def main(argv=None) -> int:
@@ -184,8 +189,8 @@ def main(argv=None) -> int:
             counts[f"{key}={c[key]}"] = counts.get(f"{key}={c[key]}", 0) + 1
         if r.get("builtin_window") is not None:   # ran as a built-in window (backend=None)
             counts["as_builtin_window"] = counts.get("as_builtin_window", 0) + 1
-        for rewrite in ("as_varlen", "as_two_calls", "as_builtin_alibi"):   # documents as varlen, prefix-LM as two
-            # calls, mods.alibi as alibi_slopes (backend=None)
+        for rewrite in ("as_varlen", "as_two_calls", "as_builtin_alibi"):   # documents as varlen, prefix-LM and
+            # window + sinks as two calls, mods.alibi as alibi_slopes (backend=None)
             counts[rewrite] = counts.get(rewrite, 0) + bool(r.get(rewrite))
         counts[f"block_mask={c['block'] and c['mask'] != 'none'}"] = counts.get(
             f"block_mask={c['block'] and c['mask'] != 'none'}", 0) + 1
