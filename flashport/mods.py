@@ -13,12 +13,12 @@ import torch
 
 
 def _rule(mod, *rule):
-    """Mark a mod with the built-in feature it is, in its own (top-left) positions: for a mask_mod ("band", left,
+    """Mark a mod with the built-in feature it is, in its own (top-left) positions.  For a mask_mod: ("band", left,
     right) shows row i the keys i - left .. i + right (-1 unbounded), ("prefix", P) the keys 0 .. max(i, P - 1),
-    ("sinks", w, n) the keys i - w .. i and the first n keys up to i; for
-    a score_mod ("alibi", slopes) is the built-in ALiBi with those slopes.  backend=None runs such a mod as that
-    feature, block mask or not (flashport/programmable.py's builtin_*).  Only for mods whose pattern is fixed
-    when they are made, or that read a tensor the built-in reads too (the slopes, read at each call)."""
+    ("sinks", w, n) the keys i - w .. i and the first n keys up to i.  For a score_mod: ("alibi", slopes) is the
+    built-in ALiBi with those slopes.  backend=None runs such a mod as that feature, block mask or not
+    (flashport/programmable.py's builtin_*).  Only for mods whose pattern is fixed when they are made, or that read
+    a tensor the built-in reads too (the slopes, read at each call)."""
     mod.builtin_rule = rule
     return mod
 

@@ -128,8 +128,8 @@ def _mask_only(prog: Optional[Programmable]) -> bool:
 
 
 def _declared(prog: Optional[Programmable]) -> Optional[tuple]:
-    """The rule a mask_mod declares (mods._rule: the ready-made causal, sliding window and prefix-LM) in a mask-only
-    call without a block mask, or None."""
+    """The rule a mask_mod declares (mods._rule: the ready-made causal, windows and prefix-LM) in a mask-only call
+    without a block mask, or None."""
     if prog is None or prog.score_mod is not None or prog.attn_bias is not None or prog.block_mask is not None:
         return None
     return getattr(prog.mask_mod, "builtin_rule", None)

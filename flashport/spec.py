@@ -279,7 +279,8 @@ def _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropou
 def dense_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_slopes, dropout_p,
                deterministic, return_lse, score_mod=None, mask_mod=None, block_mask=None,
                attn_bias=None, builtin_rules=False) -> tuple[AttnSpec, AttnInputs]:
-    """builtin_rules: a mask-only call that is a window (its block mask shows one, or its mask_mod declares one:
+    """builtin_rules: a score_mod that declares it is ALiBi becomes alibi_slopes (programmable.builtin_alibi), and
+    then a mask-only call that is a window (its block mask shows one, or its mask_mod declares one:
     programmable.builtin_window) becomes that built-in window, which every backend runs without evaluating a mod
     (backend=None's calls; a named backend keeps the mods it was asked to run)."""
     for t, n in ((q, "q"), (k, "k"), (v, "v")):
