@@ -3,7 +3,7 @@ from .api import attention, attention_varlen, attention_with_kvcache, merge_atte
 from .block_mask import BlockMask, create_block_mask
 from .contents import DeviceError, check_errors
 from .dispatch import BackendInfo, UnsupportedError, backends, use_backend
-from .monitor import reset_stats, stats
+from .monitor import reset_stats, rewrites, stats
 from .rollout import guard, quarantined, release_quarantine
 from . import backend as _backend  # noqa: F401  (registers the built-in backends, in auto order)
 from . import mods  # noqa: F401  (ready-made score_mod / mask_mod: flashport.mods.causal, ...)
@@ -18,5 +18,5 @@ __version__ = "0.1.0"
 
 __all__ = ["attention", "attention_varlen", "attention_with_kvcache", "merge_attention_states",
            "backends", "use_backend", "UnsupportedError", "BackendInfo", "DeviceError", "check_errors",
-           "stats", "reset_stats", "guard", "quarantined", "release_quarantine", "create_block_mask", "BlockMask",
+           "stats", "rewrites", "reset_stats", "guard", "quarantined", "release_quarantine", "create_block_mask", "BlockMask",
            "__version__"]

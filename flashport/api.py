@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import ops, plan_cache, serve
+from . import monitor, ops, plan_cache, serve
 from .merge import merge_states_torch, validate_states
 from .programmable import builtin_documents, builtin_prefix, builtin_sinks
 from .spec import dense_spec, kvcache_inputs, kvcache_spec, varlen_spec
@@ -52,17 +52,22 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
                               deterministic=deterministic, return_lse=return_lse, score_mod=score_mod,
                               mask_mod=mask_mod, block_mask=block_mask, attn_bias=attn_bias,
                               builtin_rules=backend is None)
+    for rule in inputs.extra.get("rewritten", ()):
+        monitor.count_rewrite(rule)
     if backend is None and inputs.prog is not None and not spec.dropout_p:
         docs = builtin_documents(inputs.prog, spec.batch, spec.heads_q)
         if docs is not None:
+            monitor.count_rewrite("documents")
             return _documents_as_varlen(q, k, v, docs, spec, inputs.alibi_slopes, deterministic, return_lse)
         prefix = (builtin_prefix(inputs.prog, spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k)
                   if spec.window_left == spec.window_right == -1 else None)
         if prefix is not None:
+            monitor.count_rewrite("prefix")
             return _prefix_as_two_calls(q, k, v, prefix, spec, inputs.alibi_slopes, deterministic, return_lse)
         sinks = (builtin_sinks(inputs.prog, spec.seqlen_q, spec.seqlen_k) if spec.window_left == -1
                  and spec.window_right in (-1, 0) and spec.alibi is None and spec.dtype != torch.float64 else None)
         if sinks is not None:
+            monitor.count_rewrite("sinks")
             return _sinks_as_two_calls(q, k, v, *sinks, spec, deterministic, return_lse)
     return _finish(*serve.call(spec, inputs, backend, key), return_lse)
 

@@ -36,6 +36,9 @@ _stats: dict = defaultdict(lambda: dict.fromkeys(COUNTERS, 0))
 _guard_hist: dict = defaultdict(lambda: [0] * (len(GUARD_BINS) - 1))
 _guard_max: dict = defaultdict(float)
 _guard_sum: dict = defaultdict(float)
+# programmable calls that backend=None ran as the built-in call they equal, per rule (programmable.builtin_*)
+REWRITE_RULES = ("window", "documents", "prefix", "sinks", "alibi")
+_rewrites: dict = defaultdict(int)
 
 
 def add(backend: str, **counts) -> None:
@@ -97,6 +100,19 @@ def stats() -> dict[str, dict]:
         return out
 
 
+def count_rewrite(rule: str) -> None:
+    with _lock:
+        _rewrites[rule] += 1
+
+
+def rewrites() -> dict[str, int]:
+    """Programmable calls that backend=None ran as the built-in call they equal, per rule (REWRITE_RULES: a mask
+    that is a window, packed documents, prefix-LM, a window with sinks; a score_mod that is ALiBi).  Those calls'
+    own counts are in stats(), under the backends that served the built-in calls."""
+    with _lock:
+        return {rule: _rewrites[rule] for rule in REWRITE_RULES}
+
+
 def reset_stats() -> None:
     from . import dispatch, rollout
     rollout.collect(wait=True)
@@ -105,6 +121,7 @@ def reset_stats() -> None:
         _guard_hist.clear()
         _guard_max.clear()
         _guard_sum.clear()
+        _rewrites.clear()
     dispatch.fallback_counts.clear()
 
 

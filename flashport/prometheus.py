@@ -6,7 +6,8 @@
 
 Every counter of stats() becomes `flashport_<counter>_total{backend="..."}`, peak_extra_bytes a gauge,
 and the guard's error distribution the histogram `flashport_guard_error_ratio{backend="..."}` (max |error|
-/ tolerance per check; > 1 failed).  Values are read from stats() at each scrape.
+/ tolerance per check; > 1 failed), and rewrites() the counter `flashport_builtin_rewrites_total{rule="..."}`.
+Values are read at each scrape.
 """
 from __future__ import annotations
 
@@ -48,6 +49,11 @@ class StatsCollector:
                 hist.add_metric([backend], buckets, sum_value=row["guard_error_ratio_sum"])
         yield peak
         yield hist
+        rewritten = CounterMetricFamily("flashport_builtin_rewrites", "programmable calls backend=None ran as the "
+                                        "built-in call they equal", labels=["rule"])
+        for rule, n in monitor.rewrites().items():
+            rewritten.add_metric([rule], n)
+        yield rewritten
 
 
 _registered: list = []

@@ -298,22 +298,25 @@ def dense_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_sl
                    deterministic, return_lse, b, hq, sq + k.shape[1])
     prog = build_programmable(score_mod, mask_mod, block_mask, attn_bias, batch=b, heads_q=hq, sq=sq,
                               sk=k.shape[1], device=q.device)
+    rewritten = []   # the rules folded in, for monitor.rewrites (counted by the entry point that runs the call)
     if builtin_rules:
         slopes, prog = builtin_alibi(prog, opts["alibi"], hq, sq, k.shape[1], q.device)
         if slopes is not None:
             alibi_slopes, opts["alibi"] = slopes, "head"
+            rewritten.append("alibi")
     window = (builtin_window(prog, (opts["window_left"], opts["window_right"]), b, hq, sq, k.shape[1])
               if builtin_rules else None)
     if window is not None:
         opts.update(window_left=window[0], window_right=window[1])
         prog = None
+        rewritten.append("window")
     extra = () if prog is None else prog.differentiable
     spec = AttnSpec(kind="dense", batch=b, seqlen_q=sq, seqlen_k=k.shape[1], heads_q=hq,
                     heads_kv=k.shape[2], head_dim=d, head_dim_v=v.shape[-1], dtype=q.dtype,
                     device=q.device, needs_grad=_needs_grad(q, k, v, *extra),
                     mods=() if prog is None else prog.features, **opts)
     return spec, AttnInputs(_last_dim_contiguous(q), _last_dim_contiguous(k), _last_dim_contiguous(v),
-                            alibi_slopes=alibi_slopes, prog=prog)
+                            alibi_slopes=alibi_slopes, prog=prog, extra={"rewritten": rewritten} if rewritten else {})
 
 
 def _cu_seqlens(cu, name: str, batch: Optional[int], total: int, max_seqlen: int, max_name: str, device):

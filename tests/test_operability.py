@@ -351,6 +351,12 @@ def test_prometheus_exporter():
     assert 'flashport_calls_total{backend="blockwise"} 1.0' in text
     assert 'flashport_guard_error_ratio_bucket{backend="blockwise",le="+Inf"} 1.0' in text
     assert "flashport_peak_extra_bytes" in text
+    flashport.reset_stats()
+    q, k, v = _qkv(grad=False)
+    flashport.attention(q, k, v, mask_mod=flashport.mods.causal)
+    text = prometheus_client.generate_latest(reg).decode()
+    assert 'flashport_builtin_rewrites_total{rule="window"} 1.0' in text
+    assert 'flashport_builtin_rewrites_total{rule="documents"} 0.0' in text
 
 
 # ----------------------------------------------------------------------------- bench --trace

@@ -647,3 +647,21 @@ def test_sinks_run_as_a_window_and_a_merged_sink_call(monkeypatch):
     flashport.attention(q.float(), k.float(), v.float(), mask_mod=mods.sliding_window(8, sinks=2),
                         alibi_slopes=torch.rand(HQ))
     assert seen == []
+
+
+def test_rewrites_are_counted_per_rule():
+    """flashport.rewrites() counts the programmable calls backend=None ran as built-in calls, per rule; a named
+    backend's call and a mod that is no rule count nothing; reset_stats clears them."""
+    flashport.reset_stats()
+    q, k, v, _ = _inputs(torch.float32, sq=40, sk=40)
+    docs = torch.repeat_interleave(torch.arange(4), 10)
+    calls = [dict(mask_mod=mods.causal), dict(block_mask=flashport.create_block_mask(mods.document(docs), None, None,
+                                                                                      40, 40, block_size=8)),
+             dict(mask_mod=mods.prefix_lm(9)), dict(mask_mod=mods.sliding_window(5, sinks=2)),
+             dict(score_mod=mods.alibi(torch.rand(HQ)), mask_mod=mods.causal),
+             dict(mask_mod=mods.causal, backend="blockwise"), dict(score_mod=mods.tanh_softcap(3.0))]
+    for kw in calls:
+        flashport.attention(q, k, v, **kw)
+    assert flashport.rewrites() == {"window": 2, "documents": 1, "prefix": 1, "sinks": 1, "alibi": 1}
+    flashport.reset_stats()
+    assert set(flashport.rewrites().values()) == {0}
