@@ -24,7 +24,7 @@ import torch
 from .. import mods
 from ..check import flash_extras, magnitude, rule_error
 from ..backend.reference import materialized_attention
-from ..programmable import build, builtin_alibi, builtin_documents, builtin_prefix, builtin_sinks, builtin_window
+from ..programmable import build
 
 MASKS = ("none", "causal", "window_sinks", "prefix_lm", "document", "block_sparse", "empty_rows")
 ALL_MASKS = MASKS + ("band",)   # "band" is drawn apart, last (see draw)
@@ -119,7 +119,10 @@ def run(c: dict, backend: str | None = "blockwise", device="cpu") -> dict:
         mask = None
     kw = dict(score_mod=score, mask_mod=mask, block_mask=bm, attn_bias=bias, causal=c["causal"])
     try:
+        before = flashport.rewrites()
         out, lse = flashport.attention(q, k, v, backend=backend, return_lse=True, **kw)
+        # the built-in calls backend=None made of the mods (flashport.rewrites counts them per rule)
+        rewritten = [rule for rule, n in flashport.rewrites().items() if n > before[rule]]
     except flashport.UnsupportedError as e:   # a backend that declares what it cannot serve (flex: head dims)
         return dict(status="SKIP", worst=0.0, problems=[" ".join(str(e).split())[:300]])
     extra = [t for t, used in ((table, c["score"] == "rel_table"), (bias, bias is not None))
@@ -153,17 +156,7 @@ def run(c: dict, backend: str | None = "blockwise", device="cpu") -> dict:
     terms = [extras["dq"], extras["dk"], extras["dv"], *extras["more"]]
     for name, a, b, m, e in zip(("dq", "dk", "dv", "d_extra1", "d_extra2"), got, want, math, terms):
         check(name, a, b, m, 3.0, mag, e)
-    # what backend=None made of a mask-only block mask: a built-in window, or documents run as a varlen call
-    window = (builtin_window(prog, (-1, 0 if c["causal"] else -1), c["b"], c["hq"], c["sq"], c["sk"])
-              if backend is None else None)
-    docs = builtin_documents(prog, c["b"], c["hq"]) if backend is None and window is None else None
-    prefix = (builtin_prefix(prog, c["b"], c["hq"], c["sq"], c["sk"]) if backend is None and window is None
-              and not c["causal"] else None)
-    slopes = builtin_alibi(prog, None, c["hq"], c["sq"], c["sk"], device)[0] if backend is None else None
-    sinks = builtin_sinks(prog, c["sq"], c["sk"]) if backend is None and dtype != torch.float64 else None
-    return dict(status="FAIL" if problems else "PASS", worst=worst, problems=problems, builtin_window=window,
-                as_varlen=docs is not None, as_two_calls=prefix is not None or sinks is not None,
-                as_builtin_alibi=slopes is not None)
+    return dict(status="FAIL" if problems else "PASS", worst=worst, problems=problems, rewritten=rewritten)
 
 
 def main(argv=None) -> int:
@@ -187,11 +180,8 @@ def main(argv=None) -> int:
         skips += r["status"] == "SKIP"
         for key in ("mask", "score", "bias"):
             counts[f"{key}={c[key]}"] = counts.get(f"{key}={c[key]}", 0) + 1
-        if r.get("builtin_window") is not None:   # ran as a built-in window (backend=None)
-            counts["as_builtin_window"] = counts.get("as_builtin_window", 0) + 1
-        for rewrite in ("as_varlen", "as_two_calls", "as_builtin_alibi"):   # documents as varlen, prefix-LM and
-            # window + sinks as two calls, mods.alibi as alibi_slopes (backend=None)
-            counts[rewrite] = counts.get(rewrite, 0) + bool(r.get(rewrite))
+        for rule in r.get("rewritten", ()):   # run as a built-in call (backend=None): flashport.rewrites' rules
+            counts[f"as_builtin_{rule}"] = counts.get(f"as_builtin_{rule}", 0) + 1
         counts[f"block_mask={c['block'] and c['mask'] != 'none'}"] = counts.get(
             f"block_mask={c['block'] and c['mask'] != 'none'}", 0) + 1
         if log:
