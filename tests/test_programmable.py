@@ -441,6 +441,18 @@ def test_mask_only_band_runs_the_builtin_rule():
     assert (spec.window_left, spec.window_right) == (7, 0)
 
 
+def _assert_as_reference(q, k, v, do, out, lse, **kw):
+    """A backend=None call's (out, lse) and the gradients of out * do + lse (through the lse too) against the
+    reference call with the same keywords (float32 inputs, whose rounding the tolerances allow)."""
+    ref, ref_lse = flashport.attention(q, k, v, return_lse=True, backend="reference", **kw)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-5)
+    got = torch.autograd.grad((out * do).sum() + lse.sum(), (q, k, v))
+    want = torch.autograd.grad((ref * do).sum() + ref_lse.sum(), (q, k, v))
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+
+
 def _doc_mask(ids, causal):
     """ids: [B, S] document ids (non-decreasing per entry)."""
     return lambda b, h, i, j: (ids[b, i] == ids[b, j]) & ((j <= i) | (not causal))
@@ -492,11 +504,7 @@ def test_documents_run_as_varlen(monkeypatch):
             seen.clear()
             out, lse = flashport.attention(q, k, v, block_mask=bm, return_lse=True, **kw)
             assert seen == [[0, 5, 19, 21, 40, 60, 61, 80]], kw
-            ref, ref_lse = flashport.attention(q, k, v, block_mask=bm, return_lse=True, backend="reference", **kw)
-            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-5)
-            for got, want in zip(torch.autograd.grad(out, (q, k, v), do), torch.autograd.grad(ref, (q, k, v), do)):
-                torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+            _assert_as_reference(q, k, v, do, out, lse, block_mask=bm, **kw)
     seen.clear()
     flashport.attention(q, k, v, block_mask=bm, dropout_p=0.1)
     flashport.attention(q, k, v, block_mask=bm, backend="blockwise")
@@ -531,13 +539,7 @@ def test_prefix_runs_as_two_builtin_calls(monkeypatch):
         seen.clear()
         out, lse = flashport.attention(q, k, v, block_mask=bm, return_lse=True, **kw)
         assert seen == [11]
-        ref, ref_lse = flashport.attention(q, k, v, block_mask=bm, return_lse=True, backend="reference", **kw)
-        torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-        torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-5)
-        got = torch.autograd.grad((out * do).sum() + lse.sum(), (q, k, v))
-        want = torch.autograd.grad((ref * do).sum() + ref_lse.sum(), (q, k, v))
-        for a, b in zip(got, want):
-            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+        _assert_as_reference(q, k, v, do, out, lse, block_mask=bm, **kw)
     seen.clear()
     flashport.attention(q, k, v, block_mask=bm, window_size=(20, 20))
     assert seen == []
@@ -634,13 +636,7 @@ def test_sinks_run_as_a_window_and_a_merged_sink_call(monkeypatch):
             bm = kw.get("block_mask")
             # a window that reaches back to the sinks is a causal band: its block mask runs as the window instead
             assert seen == ([] if bm is not None and bm.band(B, HQ) is not None else [(w, n)])
-            ref, ref_lse = flashport.attention(q, k, v, return_lse=True, backend="reference", **kw)
-            torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
-            torch.testing.assert_close(lse, ref_lse, rtol=1e-4, atol=1e-5)
-            got = torch.autograd.grad((out * do).sum() + lse.sum(), (q, k, v))
-            want = torch.autograd.grad((ref * do).sum() + ref_lse.sum(), (q, k, v))
-            for a, b in zip(got, want):
-                torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+            _assert_as_reference(q, k, v, do, out, lse, **kw)
     seen.clear()
     q, k, v, _ = _inputs(torch.float64, sq=40, sk=40)
     flashport.attention(q, k, v, mask_mod=mods.sliding_window(8, sinks=2))
