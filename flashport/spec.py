@@ -304,12 +304,11 @@ def dense_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_sl
         if slopes is not None:
             alibi_slopes, opts["alibi"] = slopes, "head"
             rewritten.append("alibi")
-    window = (builtin_window(prog, (opts["window_left"], opts["window_right"]), b, hq, sq, k.shape[1])
-              if builtin_rules else None)
-    if window is not None:
-        opts.update(window_left=window[0], window_right=window[1])
-        prog = None
-        rewritten.append("window")
+        window = builtin_window(prog, (opts["window_left"], opts["window_right"]), b, hq, sq, k.shape[1])
+        if window is not None:
+            opts.update(window_left=window[0], window_right=window[1])
+            prog = None
+            rewritten.append("window")
     extra = () if prog is None else prog.differentiable
     spec = AttnSpec(kind="dense", batch=b, seqlen_q=sq, seqlen_k=k.shape[1], heads_q=hq,
                     heads_kv=k.shape[2], head_dim=d, head_dim_v=v.shape[-1], dtype=q.dtype,
