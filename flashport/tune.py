@@ -1,7 +1,7 @@
 """`flashport tune`: measure every eligible backend on this card and write the auto-selection table; and the
 auto-vs-best check of `flashport bench --auto-vs-best` (the same measurement, plus backend=None).
 
-Per shape of the chosen suites (flashport/bench/shapes.py; dense shapes only), for every backend that
+Per shape of the chosen suites (flashport/bench/shapes.py; dense and packed-varlen shapes), for every backend that
 auto-selection may take for the call: the forward without grad, and -- where the shape trains -- the
 backward of that backend's own pair (an "lse" backend's backward costs the same whichever forward saved
 (out, lse)).  Medians over interleaved rounds (see `interleaved`) of triton.testing.do_bench on a GPU,
@@ -16,14 +16,35 @@ from pathlib import Path
 import torch
 
 from . import dispatch, table
-from .api import attention
-from .spec import dense_spec
+from .api import attention, attention_varlen
+from .spec import dense_spec, varlen_spec
 
 
-def _spec(q, k, v, causal: bool, needs_grad: bool, window_size=(-1, -1)):
-    return dense_spec(q if needs_grad else q.detach(), k if needs_grad else k.detach(),
-                      v if needs_grad else v.detach(), causal=causal, softmax_scale=None, window_size=window_size,
-                      softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)[0]
+TUNED_KINDS = ("dense", "varlen")   # the calls a bench shape describes completely (KV-cache calls depend on the cache)
+
+
+def _cu_seqlens(shape, device) -> torch.Tensor:
+    return torch.tensor((0,) + shape.docs, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
+def _spec(shape, q, k, v, needs_grad: bool):
+    """The call's spec: dense [B, S, H, D], or varlen over the packed q[0] (one sequence per document)."""
+    q, k, v = (t if needs_grad else t.detach() for t in (q, k, v))
+    opts = dict(causal=shape.causal, softmax_scale=None, window_size=shape.window_size, softcap=0.0,
+                alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+    if shape.kind == "varlen":
+        cu, n = _cu_seqlens(shape, q.device), max(shape.docs)
+        return varlen_spec(q[0], k[0], v[0], cu, cu, n, n, **opts)[0]
+    return dense_spec(q, k, v, **opts)[0]
+
+
+def _caller(shape, device):
+    """call(q, k, v, backend) -> out: the shape's entry point with its mask."""
+    mask = dict(causal=shape.causal, window_size=shape.window_size)
+    if shape.kind == "varlen":
+        cu, n = _cu_seqlens(shape, device), max(shape.docs)
+        return lambda q, k, v, name: attention_varlen(q[0], k[0], v[0], cu, cu, n, n, **mask, backend=name)
+    return lambda q, k, v, name: attention(q, k, v, **mask, backend=name)
 
 
 CLOSE = 1.15           # later rounds time only the contenders within 15% of the best so far, and auto
@@ -92,33 +113,33 @@ def measure_shape(shape, device, with_auto: bool = False, rounds: int = 2) -> di
     train = "bwd" in shape.modes
     q, k, v = peers.make_inputs(shape, device, requires_grad=train)
     qd, kd, vd = q.detach(), k.detach(), v.detach()
-    spec_f = _spec(q, k, v, shape.causal, False, shape.window_size)
+    spec_f = _spec(shape, q, k, v, False)
     res = {"label": shape.label(), "bucket": table.bucket(spec_f), "fwd": {}, "fwd_train": {}, "bwd": {},
            "samples": {}, "errors": {}}
     # PyTorch-op-speed backends (blockwise) never win on a GPU: not timed there (tens of ms per cell)
     slow = {n for n, b in dispatch._REGISTRY.items() if b.slow_on_gpu} if device.type == "cuda" else set()
     names = list(dict.fromkeys(p.fwd.name for p in dispatch.options(spec_f) if p.fwd.name not in slow))
 
-    mask = dict(causal=shape.causal, window_size=shape.window_size)
+    call = _caller(shape, device)
 
     def fwd(name):
-        return lambda: (lambda: attention(qd, kd, vd, **mask, backend=name))
+        return lambda: (lambda: call(qd, kd, vd, name))
 
     def bwd(name):
         def make():
-            out = attention(q, k, v, **mask, backend=name)
+            out = call(q, k, v, name)
             do = torch.randn_like(out)
             return lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)
         return make
 
     def fwd_train(name):
-        return lambda: (lambda: attention(q, k, v, **mask, backend=name))
+        return lambda: (lambda: call(q, k, v, name))
 
     auto = {"auto": None} if with_auto else {}
     res["fwd"], res["samples"]["fwd"] = interleaved(
         {n: fwd(n) for n in names} | {a: fwd(None) for a in auto}, device, rounds, res["errors"])
     if train:
-        spec_b = _spec(q, k, v, shape.causal, True, shape.window_size)
+        spec_b = _spec(shape, q, k, v, True)
         plans = dispatch.options(spec_b)
         res["plans"] = [[p.fwd.name, p.bwd.name] for p in plans]
         # a training forward may cost more than an inference one (cuDNN's saves its softmax stats)
@@ -148,7 +169,7 @@ def tune(shapes, device, path=None, tick=lambda: None, rounds: int = 2) -> tuple
     old, _ = table._read(Path(path), table.machine_key(device)) if Path(path).exists() else (None, None)
     buckets = old.buckets if old is not None else {}
     for shape in shapes:
-        if shape.kind != "dense":
+        if shape.kind not in TUNED_KINDS:
             continue
         r = measure_shape(shape, device, rounds=rounds)
         rows.append(r)

@@ -74,6 +74,16 @@ def test_measure_shape_times_auto_with_the_backends_on_cpu():
     assert modes == {"fwd", "bwd", "step"}
 
 
+def test_measure_shape_tunes_packed_varlen_calls_on_cpu():
+    """A varlen shape is timed through attention_varlen and lands in a varlen bucket (so backend=None's varlen calls
+    find their measurements)."""
+    shape = Shape("t", 1, 48, 48, 2, 1, 16, causal=True, dtype="float32", kind="varlen", docs=(30, 1, 17))
+    r = tune.measure_shape(shape, torch.device("cpu"), with_auto=True, rounds=1)
+    assert r["bucket"].startswith("varlen|d16|dv16|float32|causal|g2|q5|k5|") and not r["errors"]
+    assert all(r[role] for role in ("fwd", "fwd_train", "bwd")) and r["auto"]["bwd"] > 0
+    assert {c["mode"] for c in tune.auto_vs_best([r])} == {"fwd", "bwd", "step"}
+
+
 def test_training_calls_are_chosen_by_their_training_forward(monkeypatch, tmp_path):
     from flashport import dispatch, table
     from flashport.spec import dense_spec

@@ -191,11 +191,11 @@ def _auto_vs_best(suite, shapes, device, args, t0) -> int:
     from .. import table as selection
     from .. import tune
     from . import report
-    dense = [s for s in shapes if s.kind == "dense"]
-    bar, tick = _progress(len(dense), f"{suite}: auto vs every backend")
+    tuned = [s for s in shapes if s.kind in tune.TUNED_KINDS]
+    bar, tick = _progress(len(tuned), f"{suite}: auto vs every backend")
     rows = []
     path = os.path.join(args.out, f"bench_{suite}_autobest" + (f"_{args.tag}" if args.tag else "") + ".json")
-    for shape in dense:
+    for shape in tuned:
         rows.append(tune.measure_shape(shape, device, with_auto=True, rounds=args.rounds))
         tick()
         cells = tune.auto_vs_best(rows)

@@ -4,7 +4,8 @@ built-in paths, on one card in one process.
 Cases (B=2, H=16, S=16384, D=128, bf16 unless noted; --quick: S=1024, H=4): packed documents (causal, 8 docs),
 prefix-LM (S/4 bidirectional, then causal), a causal sliding window of 2048 with 4 sink tokens, ALiBi through
 score_mod (causal), a learnable relative-position table (256 buckets, causal, its gradient included), a dense
-additive bias [1, H, S, S] with its gradient (S=4096), and a plain causal mask_mod (against causal=True).
+additive bias [1, H, S, S] with its gradient (S=4096), and a plain causal mask_mod (against causal=True); then the
+table (S/2) and the bias again at D = 64 and 256 (H = 2048 / D).
 
 Implementations (each cell says why one cannot run it):
     flashport       flashport.attention(score_mod=, block_mask=) with backend=None
@@ -79,7 +80,17 @@ def cases(device, quick: bool = False) -> list[Case]:
              table=table),
         Case("dense-bias", b, h, sb, d, bias=bias),
         Case("plain-causal-mask_mod", b, h, s, d, mask_mod=mods.causal, builtin=dict(causal=True)),
-    ]
+    ] + [c for dd in (64, 256) for c in _learnable(2048 // dd if not quick else h, s // 2, sb, dd, device)]
+
+
+def _learnable(h, s, sb, d, device) -> list:
+    """The learnable table and the dense bias at another head dim (H * D = 2048, S / 2)."""
+    from .. import mods
+    table = torch.zeros(h, 256, device=device, requires_grad=True)
+    bias = (0.1 * torch.randn(1, h, sb, sb, device=device)).requires_grad_()
+    return [Case("rel-table-causal", 2, h, s, d, score_mod=mods.relative_position(table), mask_mod=mods.causal,
+                 table=table),
+            Case("dense-bias", 2, h, sb, d, bias=bias)]
 
 
 def visible_pairs(case: Case, device) -> int:

@@ -140,6 +140,7 @@ def workloads() -> list[Shape]:
         Shape("packed-docs", 1, 16384, 16384, 32, 8, 128, causal=True, kind="varlen",
               docs=(3000, 2900, 2500, 2200, 2100, 1800, 1200, 667, 17)),
         Shape("packed-docs", 1, 32768, 32768, 32, 8, 128, causal=True, kind="varlen", docs=_docs(40, 32768, 1)),
+        Shape("packed-docs", 1, 32768, 32768, 16, 16, 128, causal=True, kind="varlen", docs=_docs(16, 32768, 2)),
         Shape("chunked-prefill", 4, 1024, 8192, 32, 8, 128, causal=True, modes=("fwd",), kind="chunked"),
         Shape("chunked-prefill", 4, 1024, 8192, 32, 8, 128, causal=True, modes=("fwd",), kind="chunked", page=16),
         Shape("spec-verify", 32, 16, 4096, 32, 8, 128, causal=True, modes=("fwd",), kind="chunked", page=16),

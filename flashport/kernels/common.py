@@ -433,6 +433,38 @@ def clamp_index(x, n):
 
 
 @triton.jit
+def add_reduced(base, off, val, live, q_idx, kv_idx, MODE: tl.constexpr):
+    """base[off] += val over a score tile with float32 atomics (val is 0 where not `live`), the terms that share an element summed first where
+    MODE says which do (mod_codegen.REDUCE): 0 none; 1 off is one element; 2 off varies with the query only; 3 with
+    the key only; 4 with q_idx - kv_idx only, a relative-position table (one sum per diagonal of the tile).  A
+    contended element takes its atomics one at a time: a 128x64 tile of a relative table hits each of ~191
+    elements ~43 times over, where the per-diagonal sums add each once."""
+    KV_AXIS: tl.constexpr = 0 if kv_idx.shape[0] > 1 else 1
+    if MODE == 0:
+        tl.atomic_add(base + off, val, mask=live)
+    elif MODE == 1:
+        tl.atomic_add(base + tl.max(tl.max(off, 1), 0), tl.sum(tl.sum(val, 1), 0))
+    elif MODE == 2:
+        tl.atomic_add(base + tl.max(off, KV_AXIS), tl.sum(val, KV_AXIS))
+    elif MODE == 3:
+        tl.atomic_add(base + tl.max(off, 1 - KV_AXIS), tl.sum(val, 1 - KV_AXIS))
+    else:
+        # a skew: entry (r, c) gathers element (r, (r + c) % Y), so element (i, j) lands in column (j - i) % Y after
+        # wrap = (r + c) // Y turns, and a (wrap, column) pair is the one diagonal j - i = c - wrap * Y.  (Along
+        # axis 1, the score tile's key axis in the dK/dV kernel: skewing along axis 0 spilled ~2x more on sm_90a.)
+        X: tl.constexpr = val.shape[0]
+        Y: tl.constexpr = val.shape[1]
+        row = tl.arange(0, X)[:, None]
+        col = tl.arange(0, Y)[None, :]
+        idx = (col + row) % Y
+        w, o, wrap = tl.gather(val, idx, 1), tl.gather(off, idx, 1), (col + row) // Y
+        for turn in tl.static_range((X + 2 * Y - 2) // Y):
+            on = wrap == turn
+            at = tl.max(tl.where(on, o, -1), 0)
+            tl.atomic_add(base + at, tl.sum(tl.where(on, w, 0.0), 0), mask=at >= 0)
+
+
+@triton.jit
 def floor_div(a, b):
     """PyTorch's floor division of integers.  Written so that it holds whether `//` truncates (compiled Triton,
     C's rule) or floors: a remainder whose sign differs from the divisor's takes the quotient one step down."""

@@ -245,13 +245,16 @@ GRAD_CASES = {
     "block-mask+rel-table": lambda t, c, *_: dict(block_mask=flashport.create_block_mask(
         mods.sliding_window(6, sinks=2), None, None, S, S, block_size=8), score_mod=mods.relative_position(t)),
     # attn_bias: a full [B, Hq, S, S] one after a score_mod, and one broadcast over batch, heads and queries
-    "bias+rel-table+causal": lambda t, c, bias, kb: dict(score_mod=mods.relative_position(t), attn_bias=bias,
+    "bias+rel-table+causal": lambda t, c, bias, *_: dict(score_mod=mods.relative_position(t), attn_bias=bias,
                                                          causal=True),
-    "key-bias+document": lambda t, c, bias, kb: dict(attn_bias=kb, mask_mod=mods.document(DOCS)),
+    "key-bias+document": lambda t, c, bias, kb, qb: dict(attn_bias=kb, mask_mod=mods.document(DOCS)),
+    # a gradient index that varies with the query only (the cases above: per element, per key, per tile, per diagonal)
+    "query-bias+window": lambda t, c, bias, kb, qb: dict(attn_bias=qb, window_size=(5, 3)),
 }
 SCALE = torch.rand(HQ, generator=_g) + 0.5
 BIAS = torch.randn(B, HQ, S, S, generator=_g)
 KEY_BIAS = torch.randn(S, generator=_g)
+QUERY_BIAS = torch.randn(S, 1, generator=_g)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
@@ -260,7 +263,7 @@ def test_gradients_into_captured_tensors(name, dtype):
     """The dK/dV kernel adds each captured tensor's gradient (atomics): within the rule against float64, where the
     tables' gradients are judged like dq / dk / dv (the math path runs the same mods in the inputs' dtype)."""
     q, k, v, do = _inputs(dtype)
-    leaves = tuple(t.clone().requires_grad_() for t in (TABLE, SCALE, BIAS, KEY_BIAS))
+    leaves = tuple(t.clone().requires_grad_() for t in (TABLE, SCALE, BIAS, KEY_BIAS, QUERY_BIAS))
     leaves64 = tuple(t.detach().double().requires_grad_() for t in leaves)
     kw, kw64 = GRAD_CASES[name](*leaves), GRAD_CASES[name](*leaves64)
     out = flashport.attention(q, k, v, backend="triton", **kw)
@@ -277,7 +280,7 @@ def test_gradients_into_captured_tensors(name, dtype):
     mag = magnitude(q, k, v, do)
     for n, (a, b, m) in enumerate(zip(got, want, math)):
         err, bound = rule_error(a, b, m, dtype, 3.0, mag)
-        assert err <= bound, (("dq", "dk", "dv")[n] if n < 3 else ("dtable", "dscale", "dbias", "dkey_bias")[used[n - 3]],
+        assert err <= bound, (("dq", "dk", "dv")[n] if n < 3 else ("dtable", "dscale", "dbias", "dkey_bias", "dquery_bias")[used[n - 3]],
                               err, bound)
         assert a.dtype == (q.dtype if n < 3 else torch.float32) and a.shape == (got[n].shape)
 

@@ -116,7 +116,8 @@ def compile_case(d: int, causal: bool, dtype=torch.bfloat16, gqa: int = 1, confi
 
 
 def compile_mods_case(d: int, block_mask: bool = True, dtype=torch.bfloat16) -> list:
-    """compile_case for a programmable call: a relative-position score_mod (3 captured tensors) and the block mask of
+    """compile_case for a programmable call: a learnable relative-position score_mod (3 captured tensors, the table's
+    gradient summed per diagonal: common.add_reduced) and the block mask of
     a causal document mask_mod (its empty tiles skipped; block_mask False: the mask_mod alone), compiled by
     kernels/mod_codegen.py; rows carry "mods": "block_mask" or "mask_mod"."""
     from flashport import create_block_mask, mods
@@ -131,9 +132,10 @@ def compile_mods_case(d: int, block_mask: bool = True, dtype=torch.bfloat16) -> 
     bm = create_block_mask(docs, None, None, s, s, block_size=128) if block_mask else None
     spec, inputs = dense_spec(q, k, v, causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                               alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False,
-                              score_mod=mods.relative_position(torch.randn(h, 9)), block_mask=bm,
+                              score_mod=mods.relative_position(torch.randn(h, 9, requires_grad=True)), block_mask=bm,
                               mask_mod=None if block_mask else docs)
-    compiled = compile_mods(inputs.prog.score_mod, visible_mask(inputs.prog), "cpu")
+    compiled = compile_mods(inputs.prog.score_mod, visible_mask(inputs.prog), "cpu",
+                            grads_for=inputs.prog.differentiable)
     if isinstance(compiled, str):
         raise RuntimeError(compiled)
     cfg = {kn: _table_or_default(kn, tuning.head_bucket(spec), spec) for kn in tuning.KERNELS}

@@ -3,6 +3,7 @@
 #   save        rewrites $OUT/$PART.tgz from $R (after every step, every 20 s, and at exit)
 #   fa4_step1   FA4's first half (carried as .fa4a): the compiled IR library, unpacked into /tmp/fa4
 #   fa4_step2   its second half (.fa4b, within 30 s on the same warm machine): installs it and puts it on PYTHONPATH
+#   fa4_env     a later call on that machine: puts the installed FA4 on PYTHONPATH again
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 R=/tmp/${SESSION}_$PART; rm -rf "$R"; mkdir -p "$R"
@@ -14,9 +15,13 @@ save() { tar -C /tmp -czf "$OUT/$PART.tgz.tmp" "${SESSION}_$PART" 2>/dev/null &&
 SAVER=$!
 trap 'kill $SAVER 2>/dev/null; save' EXIT
 fa4_step1() { mkdir -p /tmp/fa4 && xz -dc .fa4a/ir.so.xz > /tmp/fa4/ir.so && echo "fa4 step 1 done"; }
-fa4_step2() {
-  bash .fa4b/install.sh 2>&1 | tail -3 | tee "$R/fa4_install.log"
+fa4_env() {   # a later call on the same warm machine: FA4 is still unpacked under /tmp
+  [ -d /tmp/fa4site ] || { echo "fa4 not installed on this machine (a fresh one)"; return 0; }
   export PYTHONPATH=$PYTHONPATH:/tmp/fa4site:/tmp/fa4site/nvidia_cutlass_dsl/dsl_packages
   export FLASH_ATTENTION_CUTE_DSL_CACHE_ENABLED=1 FLASH_ATTENTION_CUTE_DSL_CACHE_DIR=/tmp/fa4_kernel_cache
+}
+fa4_step2() {
+  bash .fa4b/install.sh 2>&1 | tail -3 | tee "$R/fa4_install.log"
+  fa4_env
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/card.txt"
