@@ -28,8 +28,11 @@ SHIPPED = Path(__file__).parent / "configs"
 
 def bucket(spec) -> str:
     """The bucket of a call, e.g. "dense|d128|dv128|bfloat16|causal|g4|q13|k13|bh5|grad"."""
+    # return_lse is no feature here: every backend that returns the lse computes it anyway (options() keeps only
+    # those for such a call), so a call asking for it costs what the measured call cost -- and the calls
+    # backend=None rewrites into built-in ones (which ask for it to merge or return it) find their measurements
     feats = [f for f, on in (("softcap", spec.softcap > 0), ("alibi", spec.alibi is not None),
-                             ("dropout", spec.dropout_p > 0), ("lse", spec.return_lse),
+                             ("dropout", spec.dropout_p > 0),
                              ("det", spec.deterministic and spec.needs_grad),
                              ("paged", spec.paged)) if on]
     lg = lambda n: round(math.log2(n)) if n > 0 else -1  # noqa: E731

@@ -94,6 +94,20 @@ def test_the_nearest_bucket_of_the_same_kind_stands_in(monkeypatch, tmp_path):
 
 
 @pytest.mark.usefixtures("without_sdpa_cpu")   # auto on CPU as blockwise
+def test_a_call_that_returns_the_lse_uses_the_measurement_without_it(monkeypatch, tmp_path):
+    """The lse costs nothing extra where a backend returns it, so a call asking for it (as backend=None's built-in
+    rewrites do, to merge or to return it) is chosen from the same bucket, among the backends that can return it."""
+    monkeypatch.setenv("FLASHPORT_CACHE_DIR", str(tmp_path))
+    monkeypatch.setitem(dispatch._REGISTRY, "fake-fast", _Fake())
+    spec = _spec()
+    with_lse = dense_spec(*_qkv(grad=False), causal=True, **{**KW, "return_lse": True})[0]
+    assert table.bucket(with_lse) == table.bucket(spec)
+    table.save(table.user_path("cpu"), "cpu", {table.bucket(spec): {"fwd": {"blockwise": 2.0, "fake-fast": 1.0},
+                                                                     "bwd": {}}})
+    assert dispatch.select(with_lse).name == "fake-fast"
+
+
+@pytest.mark.usefixtures("without_sdpa_cpu")   # auto on CPU as blockwise
 def test_a_stale_table_is_ignored_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASHPORT_CACHE_DIR", str(tmp_path))
     monkeypatch.setitem(dispatch._REGISTRY, "fake-fast", _Fake())
