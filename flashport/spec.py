@@ -216,6 +216,12 @@ def _window(window_size, causal: bool, span: int) -> tuple[int, int]:
     return _unbounded_if_far(int(left), span), _unbounded_if_far(int(right), span)
 
 
+def _is_causal(left: int, right: int) -> bool:
+    """The window (-1, 0) is the causal rule, however it was asked for (causal=True, window_size=(-1, 0), or a mask
+    backend=None found to be causal): one spec, so one plan (FA4's backend, for one, keys on spec.causal)."""
+    return left == -1 and right == 0
+
+
 def _softcap(softcap) -> float:
     if not _is_real(softcap):
         raise TypeError(f"softcap must be a real number, got {type(softcap).__name__}")
@@ -268,7 +274,7 @@ def _common(q, causal, softmax_scale, window_size, softcap, alibi_slopes, dropou
     _bool(return_lse, "return_lse")
     left, right = _window(window_size, causal, span)
     return dict(
-        causal=causal, window_left=left, window_right=right,
+        causal=causal or _is_causal(left, right), window_left=left, window_right=right,
         softmax_scale=_scale(softmax_scale, q.shape[-1]), softcap=_softcap(softcap),
         alibi=_alibi(alibi_slopes, batch, heads_q, q.device), dropout_p=_dropout(dropout_p),
         deterministic=deterministic, return_lse=return_lse,
@@ -306,7 +312,7 @@ def dense_spec(q, k, v, *, causal, softmax_scale, window_size, softcap, alibi_sl
             rewritten.append("alibi")
         window = builtin_window(prog, (opts["window_left"], opts["window_right"]), b, hq, sq, k.shape[1])
         if window is not None:
-            opts.update(window_left=window[0], window_right=window[1])
+            opts.update(window_left=window[0], window_right=window[1], causal=opts["causal"] or _is_causal(*window))
             prog = None
             rewritten.append("window")
     extra = () if prog is None else prog.differentiable

@@ -194,6 +194,8 @@ def run_suite(device, quick: bool, impls, tick=lambda: None, match: Optional[str
     called after every case, so a run cut at a time limit keeps what it measured."""
     import re
 
+    import flashport
+
     from .gpu import _err, _status
     from .timing import gpu_ms, wall_s
     entries = []
@@ -215,11 +217,16 @@ def run_suite(device, quick: bool, impls, tick=lambda: None, match: Optional[str
                 fn = implementation(impl, case, q, k, v)
                 first, out = wall_s(lambda: fn(q, k, v), device)
                 fwd = gpu_ms(lambda: fn(q, k, v))
+                flashport.reset_stats()
+                torch.autograd.grad(fn(q, k, v), grads, do, allow_unused=True)
+                # which backends served one training step (backend=None's plan, the rewrites' calls included)
+                served = {n: {"forward": c["forward"], "backward": c["backward"]} for n, c in flashport.stats().items()
+                          if c["forward"] or c["backward"]}
                 step = gpu_ms(lambda: torch.autograd.grad(fn(q, k, v), grads, do, allow_unused=True))
                 diff = None if ref is None else (out.detach().float() - ref).abs().max().item()
                 ref = out.detach().float() if ref is None else ref
                 entries.append({**base, "mode": "fwd", "status": "ok", "ms": fwd, "tflops": fl / fwd / 1e9,
-                                "first_call_s": first, "max_abs_diff": diff})
+                                "first_call_s": first, "max_abs_diff": diff, "served_by": served})
                 bwd = max(step - fwd, 1e-6)
                 entries.append({**base, "mode": "bwd", "status": "ok", "ms": bwd, "tflops": 2.5 * fl / bwd / 1e9})
             except NotServed as e:

@@ -25,7 +25,12 @@ N_TRITON = int(os.environ.get("FLASHPORT_MODS_FUZZ_N_TRITON", "100"))
 def test_mods_fuzz_on_cuda(backend):
     # auto (None): the compiled mods where they compile, blockwise where the generator refuses
     n = {"flex": N_FLEX, "triton": N_TRITON, None: N_TRITON}.get(backend, N)
-    results = [fuzz_mods.run(fuzz_mods.draw(20261206, i), backend, "cuda") for i in range(n)]
+    results = []
+    for i in range(n):
+        case = fuzz_mods.draw(20261206, i)
+        results.append(fuzz_mods.run(case, backend, "cuda"))
+        if results[-1]["status"] == "FAIL":   # at once (with -s): a run cut at its time limit still names it
+            print(f"FAIL {backend} case {i}: {case} -> {results[-1]['problems']}", flush=True)
     fails = [(i, r["problems"]) for i, r in enumerate(results) if r["status"] == "FAIL"]
     passed = sum(r["status"] == "PASS" for r in results)
     print(f"{backend}: {passed} PASS, {len(fails)} FAIL, {n - passed - len(fails)} SKIP")
