@@ -107,6 +107,19 @@ def test_a_call_that_returns_the_lse_uses_the_measurement_without_it(monkeypatch
     assert dispatch.select(with_lse).name == "fake-fast"
 
 
+def test_every_way_of_asking_for_the_causal_rule_is_one_spec():
+    """causal=True, window_size=(-1, 0), and a mask backend=None finds to be causal are one spec: one plan-cache
+    entry, one bucket and one plan."""
+    from flashport import mods
+    q, k, v = _qkv(grad=False)
+    specs = [dense_spec(q, k, v, causal=True, **KW)[0],
+             dense_spec(q, k, v, causal=False, **{**KW, "window_size": (-1, 0)})[0],
+             dense_spec(q, k, v, causal=False, **KW, mask_mod=mods.causal, builtin_rules=True)[0],
+             dense_spec(q, k, v, causal=False, **KW, block_mask=flashport.create_block_mask(
+                 lambda b, h, i, j: j <= i, None, None, 19, 19, block_size=8), builtin_rules=True)[0]]
+    assert all(s == specs[0] for s in specs[1:]) and specs[0].causal
+
+
 @pytest.mark.usefixtures("without_sdpa_cpu")   # auto on CPU as blockwise
 def test_a_stale_table_is_ignored_with_a_warning(monkeypatch, tmp_path):
     monkeypatch.setenv("FLASHPORT_CACHE_DIR", str(tmp_path))
