@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from . import monitor, ops, plan_cache, serve
-from .merge import merge_states_torch, validate_states
+from .merge import MergeStates, merge_states_torch, validate_states
 from .programmable import builtin_documents, builtin_prefix, builtin_sinks
 from .spec import dense_spec, kvcache_inputs, kvcache_spec, varlen_spec
 
@@ -172,13 +172,12 @@ def merge_attention_states(outs, lses):
     """Exact merge of partial results over disjoint key sets: outs [B, Sq, Hq, Dv], lses [B, Hq, Sq]
     float32 -> (out in outs' dtype, lse float32).  Parts with lse = -inf contribute nothing."""
     validate_states(outs, lses)
-    # The Triton merge has no backward: a differentiable call takes the PyTorch merge, exact as well.
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (*outs, *lses))
-    if outs[0].is_cuda and not needs_grad:
+    fused = merge_states_torch
+    if outs[0].is_cuda:
         try:
-            from .kernels.merge import merge_states_triton
+            from .kernels.merge import merge_states_triton as fused
         except ImportError:  # no Triton in this process: the PyTorch merge is exact too
-            merge_states_triton = None
-        if merge_states_triton is not None:
-            return merge_states_triton(outs, lses)
-    return merge_states_torch(outs, lses)
+            pass
+    if torch.is_grad_enabled() and any(t.requires_grad for t in (*outs, *lses)):
+        return MergeStates.apply(fused, len(outs), *outs, *lses)   # the fused merge forward, its own backward
+    return fused(outs, lses)

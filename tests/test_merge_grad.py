@@ -1,0 +1,51 @@
+"""merge_attention_states' own backward (merge.MergeStates): equal to autograd through the PyTorch merge and to
+float64 finite differences, parts that are empty (lse = -inf, garbage outputs) included."""
+from __future__ import annotations
+
+import torch
+
+import flashport
+from flashport.merge import merge_states_torch
+
+
+def _parts(dtype, empty_rows=True, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    outs = [torch.randn(2, 5, 3, 4, generator=g, dtype=dtype) for _ in range(3)]
+    lses = [torch.randn(2, 3, 5, generator=g, dtype=torch.float32) * 3 for _ in range(3)]
+    if empty_rows:
+        lses[1][0, :, 2] = float("-inf")            # one part empty on some rows
+        outs[1][0, 2] = float("nan")                # whose output is garbage there
+        for l in lses:
+            l[1, 0, 4] = float("-inf")              # a row where every part is empty
+    return [o.requires_grad_() for o in outs], [l.requires_grad_() for l in lses]
+
+
+def test_merge_gradients_equal_autograd_through_the_torch_merge():
+    outs, lses = _parts(torch.float32)
+    out, lse = flashport.merge_attention_states(outs, lses)
+    g = torch.Generator().manual_seed(1)
+    dout, dlse = torch.randn(out.shape, generator=g), torch.randn(lse.shape, generator=g)
+    got = torch.autograd.grad((out, lse), (*outs, *lses), (dout, dlse))
+    # the oracle: autograd through the PyTorch merge, the garbage part's NaN replaced by zeros (the merge selects
+    # it away; autograd's where would still multiply NaN by zero in its backward)
+    clean = [o.detach().nan_to_num(0.0).requires_grad_() for o in outs]
+    lses2 = [l.detach().requires_grad_() for l in lses]
+    o2, l2 = merge_states_torch(clean, lses2)
+    want = torch.autograd.grad((o2, l2), (*clean, *lses2), (dout, dlse))
+    for a, b in zip(got, want):   # (the oracle's lse gradient is NaN on the row where every part is empty: log 0)
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a, b.nan_to_num(0.0), rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(out, o2, rtol=1e-6, atol=1e-6)
+
+
+def _merge64(outs, lses):
+    """The merge in float64 throughout (merge_states_torch accumulates in float32, too coarse for finite differences)."""
+    lse = torch.logsumexp(torch.stack(lses), 0)
+    return sum(torch.exp(l - lse).transpose(1, 2)[..., None] * o for o, l in zip(outs, lses)), lse
+
+
+def test_merge_gradients_pass_gradcheck_in_float64():
+    outs, lses = _parts(torch.float64, empty_rows=False)
+    lses = [l.detach().double().requires_grad_() for l in lses]
+    f = lambda *xs: flashport.merge.MergeStates.apply(_merge64, 3, *xs)  # noqa: E731
+    assert torch.autograd.gradcheck(f, (*outs, *lses), eps=1e-6, atol=1e-8)
