@@ -9,9 +9,8 @@
 #          shipped table of this card, and their auto-vs-best
 #   PART=c (no carry, FA4 still installed from b): the rest of the GPU tier (fuzz counts capped); the models suite
 #          with the FA4 column
-#   PART=d (no carry): the long and decode suites with the FA4 column
-#   PART=e (no carry): Nsight Compute of the cells where our kernels trail FA4 most (issue [14]): ours and FA4's
-#          kernels on one launch each (tools/gpu/ncu_cells.py)
+# Ran in the 20th session: a, b, c, then two Nsight Compute calls by hand (results/INDEX.md); the long and decode
+# suites and the other ncu cells moved to tools/gpu/gpu_s21.sh.
 SESSION=s20; . "$(dirname "$0")/session.sh"
 TABLE=$(python -c "import torch; from flashport import table; print(table.shipped_path(torch.device('cuda')))")
 case "$PART" in
@@ -57,27 +56,6 @@ c)
   save
   timeout ${MODELS_SECONDS:-220} python -m flashport bench --suite models --out "$R/models" > "$R/models/bench.log" 2>&1
   echo "models rc=$?"; grep -v "Warning\|warn" "$R/models/bench.log" | tail -16
-  ;;
-d)
-  fa4_env
-  mkdir -p "$R/long" "$R/decode"
-  timeout ${LONG_SECONDS:-250} python -m flashport bench --suite long --out "$R/long" > "$R/long/bench.log" 2>&1
-  echo "long rc=$?"; grep -v "Warning\|warn" "$R/long/bench.log" | tail -10; save
-  timeout ${DECODE_SECONDS:-250} python -m flashport bench --suite decode --out "$R/decode" > "$R/decode/bench.log" 2>&1
-  echo "decode rc=$?"; grep -v "Warning\|warn" "$R/decode/bench.log" | tail -16
-  ;;
-e)
-  fa4_env
-  mkdir -p "$R/ncu"
-  for cell in "phi3:fwd" "mistral:bwd" "fa3-hdim256:bwd" "gemma2-9b b:bwd"; do
-    for impl in flashport-triton fa4; do
-      name=$(echo "${cell%%:*}_${cell##*:}_$impl" | tr -c 'a-z0-9_\n-' '_')
-      timeout ${NCU_SECONDS:-70} ncu --profile-from-start off --clock-control none --csv --page details \
-          --section SpeedOfLight --section Occupancy --section LaunchStats --section WarpStateStats \
-          python tools/gpu/ncu_cells.py --cell "${cell%%:*}" --impl $impl --mode "${cell##*:}" > "$R/ncu/$name.csv" 2>&1
-      echo "$name rc=$? $(grep -c '"Duration"' "$R/ncu/$name.csv") kernels"; save
-    done
-  done
   ;;
 esac
 save; ls -la "$OUT"
