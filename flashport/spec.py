@@ -218,7 +218,7 @@ def _window(window_size, causal: bool, span: int) -> tuple[int, int]:
 
 def _is_causal(left: int, right: int) -> bool:
     """The window (-1, 0) is the causal rule, however it was asked for (causal=True, window_size=(-1, 0), or a mask
-    backend=None found to be causal): one spec, so one plan (FA4's backend, for one, keys on spec.causal)."""
+    backend=None found to be causal): one spec, so one plan-cache entry and one selection."""
     return left == -1 and right == 0
 
 
