@@ -2,27 +2,28 @@
 # The next session's device calls (the 20th session's left-overs), on one warm machine; each part returns
 # $OUT/<part>.tgz (rewritten after every step and every 20 s, so a call cut at its limit still brings back what
 # finished):
-#   PART=a (carry .fa4a): FA4 step 1; the programmable GPU tier (each failing fuzz case printed as it happens), then
-#          the rest of tests/gpu with its fuzz counts capped to fit
+#   PART=a (carry .fa4a): FA4 step 1; the GPU tier outside the programmable tests, file by file, each with its own
+#          time limit and log, so a slow file cannot hide the verdicts of the others (one 330 s run was cut at 43%)
 #   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; the programmable mask cases with every peer (served_by shows
 #          each cell's plan; PERFLOG row 73's merge); `flashport tune --suite models` with FA4 eligible, merged into
 #          the shipped table, and the models suite's auto-vs-best (PERFLOG row 71)
-#   PART=c (no carry, FA4 still installed from b): the long and decode suites with the FA4 column
+#   PART=c (no carry, FA4 still installed from b): the programmable GPU tier (each failing fuzz case printed as it
+#          happens); the long and decode suites with the FA4 column
 #   PART=d (no carry): Nsight Compute of the D=256 backwards against FA4 (tools/gpu/ncu_cells.py)
 SESSION=s21; . "$(dirname "$0")/session.sh"
 TABLE=$(python -c "import torch; from flashport import table; print(table.shipped_path(torch.device('cuda')))")
 case "$PART" in
 a)
   fa4_step1
-  FLASHPORT_MODS_FUZZ_N=${MODS_N:-100} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-40} FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-100} \
-      timeout ${PROG_SECONDS:-220} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
-      --durations=10 tests/gpu/test_programmable_gpu.py > "$R/programmable_gpu.log" 2>&1
-  echo "programmable tier rc=$?"; grep -E "passed|failed|^FAIL|^ERROR|^E " "$R/programmable_gpu.log" | cut -c1-300 | head -20
-  save
-  FLASHPORT_FUZZ_N=${FUZZ_N:-100} FLASHPORT_COMPILED_FUZZ_N=${COMPILED_N:-40} \
-      timeout ${REST_SECONDS:-340} python -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rfE \
-      --durations=15 tests/gpu --ignore=tests/gpu/test_programmable_gpu.py > "$R/gpu_tier.log" 2>&1
-  echo "gpu tier rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$R/gpu_tier.log" | cut -c1-300 | head -30
+  mkdir -p "$R/tier"
+  # seconds per file (the fuzz counts capped by FLASHPORT_FUZZ_N / FLASHPORT_COMPILED_FUZZ_N)
+  for spec in compile:40 contents:40 decode:40 hopper_fwd:60 hopper_bwd:60 operability:60 triton:100 fuzz:110; do
+    f=${spec%%:*}
+    FLASHPORT_FUZZ_N=${FUZZ_N:-100} FLASHPORT_COMPILED_FUZZ_N=${COMPILED_N:-40} \
+        timeout ${spec##*:} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
+        tests/gpu/test_${f}_gpu.py > "$R/tier/$f.log" 2>&1
+    echo "$f rc=$? $(grep -E '[0-9]+ (passed|failed)' "$R/tier/$f.log" | tail -1)"; save
+  done
   ;;
 b)
   fa4_step2
@@ -42,9 +43,14 @@ b)
 c)
   fa4_env
   mkdir -p "$R/long" "$R/decode"
-  timeout ${LONG_SECONDS:-250} python -m flashport bench --suite long --out "$R/long" > "$R/long/bench.log" 2>&1
+  FLASHPORT_MODS_FUZZ_N=${MODS_N:-100} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-40} FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-100} \
+      timeout ${PROG_SECONDS:-220} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
+      --durations=10 tests/gpu/test_programmable_gpu.py > "$R/programmable_gpu.log" 2>&1
+  echo "programmable tier rc=$?"; grep -E "passed|failed|^FAIL|^ERROR|^E " "$R/programmable_gpu.log" | cut -c1-300 | head -20
+  save
+  timeout ${LONG_SECONDS:-170} python -m flashport bench --suite long --out "$R/long" > "$R/long/bench.log" 2>&1
   echo "long rc=$?"; grep -v "Warning\|warn" "$R/long/bench.log" | tail -10; save
-  timeout ${DECODE_SECONDS:-250} python -m flashport bench --suite decode --out "$R/decode" > "$R/decode/bench.log" 2>&1
+  timeout ${DECODE_SECONDS:-170} python -m flashport bench --suite decode --out "$R/decode" > "$R/decode/bench.log" 2>&1
   echo "decode rc=$?"; grep -v "Warning\|warn" "$R/decode/bench.log" | tail -16
   ;;
 d)
