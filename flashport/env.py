@@ -39,6 +39,8 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_HOPPER_BWD", "1", "0: the gluon backend refuses backwards (rollback switch for the Hopper backward)"),
     Switch("FLASHPORT_GQA_GROUP_LOOP", "0", "1: the Triton dK/dV kernel loops over a GQA group's query heads in one "
                                             "program (K, V read once; no float32 partials to sum)"),
+    Switch("FLASHPORT_CAP_GRAD_SUMS", "1", "0: the Triton kernels add captured tensors' gradients element by element "
+                                           "(no per-tile sums first; for A/B timing), read when a mod is compiled"),
     Switch("FLASHPORT_CPU_COMPILE", "auto", "blockwise on a CPU: 'auto' compiles its tile steps (torch.compile) for "
                                              "calls of >= 2^25 scores, '1' always, '0' never"),
     Switch("FLASHPORT_TABLE", "", "path of an auto-selection table to use instead of the cache's or the shipped one; "

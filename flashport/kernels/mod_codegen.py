@@ -257,7 +257,6 @@ def _generate(gm, captured: list, kind: str) -> str:
 # tile), the query only (a sum per query), the key only (per key), q_idx - kv_idx only (per diagonal: a relative
 # position table); anything else (0) adds element by element.
 REDUCE = {frozenset(): 1, frozenset({"q"}): 2, frozenset({"kv"}): 3, frozenset({"d"}): 4}
-SUMS = os.environ.get("FLASHPORT_CAP_GRAD_SUMS", "1") != "0"   # 0: element by element (for A/B measurements)
 
 
 def _positions(g: _Gen, node, memo: dict) -> frozenset:
@@ -292,6 +291,8 @@ def _generate_cap_grad(gm, captured: list, leaves: tuple) -> str:
     outs = g.run()
     if len(outs) != len(leaves):
         raise Refused(f"expected {len(leaves)} gradients, traced {len(outs)}")
+    from .. import env
+    sums = env.flag("FLASHPORT_CAP_GRAD_SUMS")   # 0: element by element (A/B timing)
     lines, gbase, memo = list(g.lines), 0, {}
     for leaf, out in zip(leaves, outs):
         rank = leaf.dim()
@@ -299,7 +300,7 @@ def _generate_cap_grad(gm, captured: list, leaves: tuple) -> str:
             cbase, _ = g.slot(leaf)
             terms = " + ".join(f"clamp_index({g.arg(ix)}, cap[{cbase + 1 + rank + d}]) * gcap[{gbase + 1 + d}]"
                                for d, ix in enumerate(indices))
-            mode = REDUCE.get(frozenset().union(*(_positions(g, ix, memo) for ix in indices)), 0) if SUMS else 0
+            mode = REDUCE.get(frozenset().union(*(_positions(g, ix, memo) for ix in indices)), 0) if sums else 0
             lines.append(f"    add_reduced(gcap[{gbase}], ({terms}) + tl.zeros(dy.shape, tl.int32), "
                          f"tl.where(live, {g.cast(values, torch.float32)} * dy, 0.0), live, q_idx, kv_idx, {mode})")
         gbase += 1 + rank
