@@ -217,11 +217,12 @@ def run_suite(device, quick: bool, impls, tick=lambda: None, match: Optional[str
                 fn = implementation(impl, case, q, k, v)
                 first, out = wall_s(lambda: fn(q, k, v), device)
                 fwd = gpu_ms(lambda: fn(q, k, v))
-                flashport.reset_stats()
-                torch.autograd.grad(fn(q, k, v), grads, do, allow_unused=True)
-                # which backends served one training step (backend=None's plan, the rewrites' calls included)
-                served = {n: {"forward": c["forward"], "backward": c["backward"]} for n, c in flashport.stats().items()
-                          if c["forward"] or c["backward"]}
+                served = None
+                if impl.startswith("flashport"):   # which backends served one training step (the rewrites' calls too)
+                    flashport.reset_stats()
+                    torch.autograd.grad(fn(q, k, v), grads, do, allow_unused=True)
+                    served = {n: {"forward": c["forward"], "backward": c["backward"]}
+                              for n, c in flashport.stats().items() if c["forward"] or c["backward"]}
                 step = gpu_ms(lambda: torch.autograd.grad(fn(q, k, v), grads, do, allow_unused=True))
                 diff = None if ref is None else (out.detach().float() - ref).abs().max().item()
                 ref = out.detach().float() if ref is None else ref
