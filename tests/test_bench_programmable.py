@@ -53,3 +53,23 @@ def test_triton_column_serves_every_case():
     for case in cases:
         assert callable(programmable.implementation("flashport-triton", case, q, q, q))
     assert "flashport-triton" in programmable.DEFAULT_IMPLS
+
+
+def test_run_suite_records_which_backends_served_flashport(monkeypatch):
+    """run_suite's rows (timed on the CPU with a stand-in timer): flashport's cells say which backends ran one
+    training step (a rewritten call's built-in calls included); a peer's cells carry none."""
+    import time
+
+    from flashport.bench import timing
+
+    def cpu_ms(fn, *a, **kw):
+        t0 = time.perf_counter()
+        fn()
+        return (time.perf_counter() - t0) * 1e3
+    monkeypatch.setattr(timing, "gpu_ms", cpu_ms)
+    rows = programmable.run_suite(torch.device("cpu"), True, ("flashport", "builtin"), match="prefix-lm")
+    fwd = {r["impl"]: r for r in rows if r["mode"] == "fwd" and r["status"] == "ok"}
+    assert set(fwd) == {"flashport"}   # builtin: no built-in equals prefix-LM
+    served = fwd["flashport"]["served_by"]
+    assert served and sum(c["forward"] for c in served.values()) == 2   # the prefix split: two built-in calls
+    assert all(c["backward"] >= 1 for c in served.values())
