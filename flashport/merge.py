@@ -47,35 +47,36 @@ def merge_states_torch(outs, lses):
 class MergeStates(torch.autograd.Function):
     """The merge with its own backward: `fused(outs, lses)` (the Triton kernel on CUDA, one pass) forward, and per part
 
-        d out_p = w_p * d out,    d lse_p = w_p * (<d out, out_p - out> + d lse),    w_p = exp(lse_p - lse)
+        d out_p = w_p * d out,    d lse_p = w_p * (r_p - sum_q w_q r_q + d lse),    r_p = <d out, out_p>,  w_p = exp(lse_p - lse)
 
     backward (out = sum_q w_q out_q and lse = log sum_q exp(lse_q), so d out / d lse_p = w_p (out_p - out) and
-    d lse / d lse_p = w_p), instead of autograd through merge_states_torch's float32 temporaries.  A part with
-    w_p = 0 (lse_p = -inf, or an empty row) gets zero gradients, whatever its output holds."""
+    d lse / d lse_p = w_p), instead of autograd through merge_states_torch's float32 temporaries.  <d out, out> is
+    taken as sum_q w_q r_q, from the parts, not from the merged output rounded to its dtype (a bf16 out would cost
+    the lse gradients ~1e-2).  A part with w_p = 0 (lse_p = -inf, or an empty row) gets zero gradients, whatever its
+    output holds."""
 
     @staticmethod
-    def forward(ctx, fused, n: int, *parts):
-        outs, lses = list(parts[:n]), list(parts[n:])
-        out, lse = fused(outs, lses)
+    def forward(fused, n: int, *parts):
+        return fused(list(parts[:n]), list(parts[n:]))
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _, n, *parts = inputs
         ctx.n = n
-        ctx.save_for_backward(*outs, *lses, out, lse)
-        return out, lse
+        ctx.save_for_backward(*parts, output[1])
 
     @staticmethod
     def backward(ctx, dout, dlse):
         n = ctx.n
         saved = ctx.saved_tensors
-        outs, lses, out, lse = saved[:n], saved[n:2 * n], saved[2 * n], saved[2 * n + 1]
-        acc = torch.promote_types(out.dtype, torch.float32)     # float32 for half types, float64 kept
-        rowdot = lambda a, b: (a * b.to(acc)).sum(-1).transpose(1, 2)  # noqa: E731  [B, Sq, Hq, Dv] -> [B, Hq, Sq]
-        d32 = None if dout is None else dout.to(acc)
-        base = None if d32 is None else rowdot(d32, out)
-        d_outs, d_lses = [], []
-        for o, l in zip(outs, lses):
-            w = torch.where(torch.isfinite(l) & torch.isfinite(lse), torch.exp(l - lse), 0.0)   # [B, Hq, Sq]
-            g = torch.zeros_like(w) if d32 is None else rowdot(d32, o) - base
-            if dlse is not None:
-                g = g + dlse
-            d_lses.append(torch.where(w > 0, w * g, 0.0))
-            d_outs.append(None if d32 is None else (d32 * w.transpose(1, 2)[..., None]).to(o.dtype))
+        outs, lses, lse = saved[:n], saved[n:2 * n], saved[2 * n]
+        acc = torch.promote_types(outs[0].dtype, torch.float32)     # float32 for half types, float64 kept
+        d = dout.to(acc)
+        w = [torch.where(torch.isfinite(l) & torch.isfinite(lse), torch.exp(l - lse), 0.0) for l in lses]  # [B, Hq, Sq]
+        # r_p = <d out, out_p> per row, 0 where the part does not count (its output may be garbage there)
+        r = [torch.where(wp > 0, (d * o.to(acc)).sum(-1).transpose(1, 2), 0.0) for wp, o in zip(w, outs)]
+        base = sum(wp * rp for wp, rp in zip(w, r))                  # <d out, out>, exact in acc
+        g = base.neg() if dlse is None else dlse - base
+        d_lses = [torch.where(wp > 0, wp * (rp + g), 0.0) for wp, rp in zip(w, r)]
+        d_outs = [(d * wp.transpose(1, 2)[..., None]).to(o.dtype) for wp, o in zip(w, outs)]
         return (None, None, *d_outs, *d_lses)

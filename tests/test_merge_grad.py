@@ -49,3 +49,28 @@ def test_merge_gradients_pass_gradcheck_in_float64():
     lses = [l.detach().double().requires_grad_() for l in lses]
     f = lambda *xs: flashport.merge.MergeStates.apply(_merge64, 3, *xs)  # noqa: E731
     assert torch.autograd.gradcheck(f, (*outs, *lses), eps=1e-6, atol=1e-8)
+
+
+def test_merge_lse_gradients_keep_their_precision_in_bfloat16():
+    """<d out, out> comes from the parts in float32, not from the merged output rounded to bf16: the lse gradients
+    of bf16 parts stay as exact as the PyTorch merge's (which computes in float32 throughout)."""
+    g = torch.Generator().manual_seed(3)
+    outs = [(torch.randn(2, 64, 4, 128, generator=g) + 3.0).to(torch.bfloat16).requires_grad_() for _ in range(4)]
+    lses = [(torch.randn(2, 4, 64, generator=g) * 2).requires_grad_() for _ in range(4)]
+    dout = torch.randn(2, 64, 4, 128, generator=g).to(torch.bfloat16)
+    out, lse = flashport.merge_attention_states(outs, lses)
+    got = torch.autograd.grad(out, lses, dout)
+    l64 = [l.detach().double().requires_grad_() for l in lses]
+    o64, _ = _merge64([o.detach().double() for o in outs], l64)
+    want = torch.autograd.grad(o64, l64, dout.double())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b, rtol=0, atol=1e-4)
+    total = sum(got)   # sum_p d lse_p = d lse (here 0): the weights sum to one
+    assert total.abs().max() < 1e-4
+
+
+def test_merge_supports_torch_func_grad():
+    outs, lses = _parts(torch.float64, empty_rows=False)
+    lses = [l.detach().double() for l in lses]
+    f = lambda l0: flashport.merge.MergeStates.apply(_merge64, 3, *outs, l0, *lses[1:])[1].sum()  # noqa: E731
+    torch.testing.assert_close(torch.func.grad(f)(lses[0]), torch.autograd.functional.jacobian(f, lses[0]))
