@@ -17,14 +17,11 @@ import torch
 
 from . import dispatch, table
 from .api import attention, attention_varlen
+from .bench.shapes import cu_seqlens
 from .spec import dense_spec, varlen_spec
 
 
 TUNED_KINDS = ("dense", "varlen")   # the calls a bench shape describes completely (KV-cache calls depend on the cache)
-
-
-def _cu_seqlens(shape, device) -> torch.Tensor:
-    return torch.tensor((0,) + shape.docs, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
 
 
 def _spec(shape, q, k, v, needs_grad: bool):
@@ -33,7 +30,7 @@ def _spec(shape, q, k, v, needs_grad: bool):
     opts = dict(causal=shape.causal, softmax_scale=None, window_size=shape.window_size, softcap=0.0,
                 alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
     if shape.kind == "varlen":
-        cu, n = _cu_seqlens(shape, q.device), max(shape.docs)
+        cu, n = cu_seqlens(shape, q.device), max(shape.docs)
         return varlen_spec(q[0], k[0], v[0], cu, cu, n, n, **opts)[0]
     return dense_spec(q, k, v, **opts)[0]
 
@@ -42,7 +39,7 @@ def _caller(shape, device):
     """call(q, k, v, backend) -> out: the shape's entry point with its mask."""
     mask = dict(causal=shape.causal, window_size=shape.window_size)
     if shape.kind == "varlen":
-        cu, n = _cu_seqlens(shape, device), max(shape.docs)
+        cu, n = cu_seqlens(shape, device), max(shape.docs)
         return lambda q, k, v, name: attention_varlen(q[0], k[0], v[0], cu, cu, n, n, **mask, backend=name)
     return lambda q, k, v, name: attention(q, k, v, **mask, backend=name)
 

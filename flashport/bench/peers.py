@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 
 import flashport
-from .shapes import Shape, decode_lens
+from .shapes import Shape, cu_seqlens, decode_lens
 
 DENSE = ("flashport-triton", "flashport", "fa4", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient", "flex")
 DECODE = ("flashport-triton", "fa4", "sdpa-cudnn", "sdpa-fa2", "sdpa-efficient")
@@ -197,7 +197,7 @@ def _varlen_fn(impl: str, shape: Shape, q, k, v):
         raise NotApplicable("SDPA has no packed (varlen) form")
     if impl == "flex":
         return _flex_call(shape, q, k, v)
-    cu = torch.tensor((0,) + shape.docs, device=q.device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    cu = cu_seqlens(shape, q.device)
     longest = max(shape.docs)
     if impl == "fa4":
         fa4 = _fa4()

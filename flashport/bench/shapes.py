@@ -91,6 +91,11 @@ def decode_lens(shape: Shape) -> torch.Tensor:
     return torch.randint(1, shape.sk + 1, (shape.b,), generator=g, dtype=torch.int32)
 
 
+def cu_seqlens(shape: Shape, device) -> torch.Tensor:
+    """int32 [n + 1] cumulative lengths of a varlen shape's packed documents (attention_varlen's cu_seqlens)."""
+    return torch.tensor((0,) + shape.docs, device=device, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+
+
 def kv_bytes(shape: Shape) -> int:
     """Bytes of K and V a decode step must read: (sum of the cache lengths) * Hkv * D * 2 tensors * element size."""
     return int(decode_lens(shape).sum()) * shape.hkv * shape.d * 2 * torch.finfo(shape.torch_dtype).bits // 8

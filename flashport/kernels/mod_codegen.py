@@ -34,6 +34,7 @@ from typing import Callable, Optional, Union
 
 import torch
 
+from .. import env
 from .mod_ops import TL, Refused, lit, made_by_the_mod, op_name, translate, zero_d
 
 MAX_CAPTURED = 8       # captured tensors one call's mods may read (each is 1 + 2 * rank entries of the `cap` tuple)
@@ -291,7 +292,6 @@ def _generate_cap_grad(gm, captured: list, leaves: tuple) -> str:
     outs = g.run()
     if len(outs) != len(leaves):
         raise Refused(f"expected {len(leaves)} gradients, traced {len(outs)}")
-    from .. import env
     sums = env.flag("FLASHPORT_CAP_GRAD_SUMS")   # 0: element by element (A/B timing)
     lines, gbase, memo = list(g.lines), 0, {}
     for leaf, out in zip(leaves, outs):

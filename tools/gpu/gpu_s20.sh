@@ -17,10 +17,7 @@ case "$PART" in
 a)
   fa4_step1
   mkdir -p "$R/learnable" "$R/elementwise"
-  FLASHPORT_MODS_FUZZ_N=${MODS_N:-100} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-40} FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-100} \
-      timeout ${PROG_SECONDS:-190} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
-      --durations=10 tests/gpu/test_programmable_gpu.py > "$R/programmable_gpu.log" 2>&1
-  echo "programmable tier rc=$?"; grep -E "passed|failed|^FAILED|^ERROR|^E " "$R/programmable_gpu.log" | cut -c1-300 | head -20
+  programmable_tier ${PROG_SECONDS:-190}
   save
   timeout ${LEARN_SECONDS:-240} python -m flashport bench --suite programmable --out "$R/learnable" \
       --peers flashport,flashport-triton,flex --match "rel-table|dense-bias" \

@@ -43,10 +43,7 @@ b)
 c)
   fa4_env
   mkdir -p "$R/long" "$R/decode"
-  FLASHPORT_MODS_FUZZ_N=${MODS_N:-100} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-40} FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-100} \
-      timeout ${PROG_SECONDS:-220} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
-      --durations=10 tests/gpu/test_programmable_gpu.py > "$R/programmable_gpu.log" 2>&1
-  echo "programmable tier rc=$?"; grep -E "passed|failed|^FAIL|^ERROR|^E " "$R/programmable_gpu.log" | cut -c1-300 | head -20
+  programmable_tier ${PROG_SECONDS:-220}
   save
   timeout ${LONG_SECONDS:-170} python -m flashport bench --suite long --out "$R/long" > "$R/long/bench.log" 2>&1
   echo "long rc=$?"; grep -v "Warning\|warn" "$R/long/bench.log" | tail -10; save

@@ -4,6 +4,8 @@
 #   fa4_step1   FA4's first half (carried as .fa4a): the compiled IR library, unpacked into /tmp/fa4
 #   fa4_step2   its second half (.fa4b, within 30 s on the same warm machine): installs it and puts it on PYTHONPATH
 #   fa4_env     a later call on that machine: puts the installed FA4 on PYTHONPATH again
+#   programmable_tier SECONDS   issue [15]'s GPU tier (tests/gpu/test_programmable_gpu.py, fuzz counts MODS_N /
+#               FLEX_N / TRITON_N), its log in $R/programmable_gpu.log, each failing fuzz case printed as it happens
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 R=/tmp/${SESSION}_$PART; rm -rf "$R"; mkdir -p "$R"
@@ -23,5 +25,11 @@ fa4_env() {   # a later call on the same warm machine: FA4 is still unpacked und
 fa4_step2() {
   bash .fa4b/install.sh 2>&1 | tail -3 | tee "$R/fa4_install.log"
   fa4_env
+}
+programmable_tier() {
+  FLASHPORT_MODS_FUZZ_N=${MODS_N:-100} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-40} FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-100} \
+      timeout "$1" python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
+      --durations=10 tests/gpu/test_programmable_gpu.py > "$R/programmable_gpu.log" 2>&1
+  echo "programmable tier rc=$?"; grep -E "passed|failed|^FAIL|^ERROR|^E " "$R/programmable_gpu.log" | cut -c1-300 | head -20
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/card.txt"
