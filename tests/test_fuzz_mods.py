@@ -52,6 +52,18 @@ def test_the_fuzzer_catches_a_wrong_bias_gradient(monkeypatch):
     assert fuzz_mods.run(c, "blockwise", "cpu")["status"] == "FAIL"
 
 
+def test_a_case_that_raises_is_a_fail_naming_the_error(monkeypatch):
+    """A backend that raises (not a declared refusal) is one FAIL with the error's name, and the run goes on: in
+    the 21st session's GPU tier an exception out of one flex case ended the whole test unnamed."""
+    from flashport.backend import blockwise
+
+    def broken(*a, **k):
+        raise RuntimeError("donated buffers")
+    monkeypatch.setattr(blockwise.BlockwiseBackend, "forward", broken)
+    r = fuzz_mods.run(dict(fuzz_mods.draw(SEED, 0), sq=16, sk=16), "blockwise", "cpu")
+    assert r["status"] == "FAIL" and "RuntimeError: donated buffers" in r["problems"][0]
+
+
 def test_a_backend_is_fuzzed_on_the_features_it_declares():
     """A backend's cases turn off what it does not declare (else they would SKIP): sdpa-cpu computes no gradient into a
     captured table; triton and blockwise declare every feature and keep every drawn case."""

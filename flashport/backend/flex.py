@@ -43,13 +43,22 @@ RECOMPILE_LIMIT = 64        # distinct mods (compiled graphs) one process may us
 
 
 def _dynamo_limits():
+    """Dynamo's limits and AOTAutograd's buffer donation for the compiled call.  Donation is off: a donated
+    backward raises on `backward(retain_graph=True)` ("compiled with non-empty donated buffers"), which a user
+    may call on any flashport output (the bench's backward timing does)."""
+    import contextlib
     import torch._dynamo.config as cfg
+    import torch._functorch.config as fcfg
     # specialize_float: under dynamic=True, Dynamo otherwise turns a float the mods close over (the softcap) into
     # a 0-d tensor input, and `if cap > 0` inside Flex's score_mod becomes a data-dependent branch: a graph break
     # at the flex_attention HOP, after which its autograd fails ("all unwrapped values must be FakeTensor").
     patch = {k: v for k, v in (("recompile_limit", RECOMPILE_LIMIT), ("fail_on_recompile_limit_hit", True),
                                 ("specialize_float", True)) if hasattr(cfg, k)}
-    return cfg.patch(**patch)
+    stack = contextlib.ExitStack()
+    stack.enter_context(cfg.patch(**patch))
+    if hasattr(fcfg, "donated_buffer"):
+        stack.enter_context(fcfg.patch(donated_buffer=False))
+    return stack
 
 
 def _lse_request() -> dict:

@@ -113,6 +113,8 @@ def _flex():
                 setattr(dcfg, key, max(getattr(dcfg, key), 4096))
         if hasattr(dcfg, "fail_on_recompile_limit_hit"):
             dcfg.fail_on_recompile_limit_hit = True
+        # the backward is timed with retain_graph=True, which a donated-buffer backward refuses
+        torch._functorch.config.donated_buffer = False
         _flex_fn = torch.compile(flex_attention, dynamic=False, fullgraph=True)
     return _flex_fn
 

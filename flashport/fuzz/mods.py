@@ -103,8 +103,17 @@ def _mods(c: dict, g: torch.Generator, device):
 
 
 def run(c: dict, backend: str | None = "blockwise", device="cpu") -> dict:
-    """-> {"status": "PASS" | "FAIL", "worst": ratio of error to bound, "problems": [...]}; backend None: auto's
-    choice (each case's whole call, its input check included)."""
+    """-> {"status": "PASS" | "FAIL" | "SKIP", "worst": ratio of error to bound, "problems": [...]}; backend None:
+    auto's choice (each case's whole call, its input check included).  An exception other than a declared refusal
+    is a FAIL naming it, so one broken case cannot hide the verdicts of the rest."""
+    try:
+        return _run(c, backend, device)
+    except Exception as e:   # noqa: BLE001 -- the verdict, not the traceback, is what the fuzz reports
+        return dict(status="FAIL", worst=float("inf"), problems=[f"raised {type(e).__name__}: "
+                                                                 + " ".join(str(e).split())[:400]])
+
+
+def _run(c: dict, backend: str | None, device: str) -> dict:
     import flashport
     g = torch.Generator().manual_seed(c["data_seed"])
     dtype = getattr(torch, c["dtype"])

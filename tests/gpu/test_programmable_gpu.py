@@ -53,6 +53,17 @@ def test_flex_does_not_recompile_for_new_lengths():
     assert counters["stats"]["unique_graphs"] == before
 
 
+def test_flex_backward_twice_with_retain_graph():
+    """A compiled backward with donated buffers refuses retain_graph=True (the long suite's flex peer raised so in
+    the 21st session's run); a user may retain any flashport output's graph."""
+    from flashport import mods
+    q, k, v = (torch.randn(1, 256, 4, 64, device="cuda", dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out = flashport.attention(q, k, v, backend="flex", causal=True, score_mod=mods.tanh_softcap(20.0))
+    first = torch.autograd.grad(out.float().sum(), (q,), retain_graph=True)[0]
+    second = torch.autograd.grad(out.float().sum(), (q,))[0]
+    assert torch.equal(first, second)
+
+
 def test_auto_serves_mods_on_cuda_with_a_declared_backend():
     from flashport import mods
     q = torch.randn(1, 512, 4, 64, device="cuda", dtype=torch.bfloat16)
