@@ -10,6 +10,8 @@
 #   PART=c (no carry, FA4 still installed from b): the programmable GPU tier (each failing fuzz case printed as it
 #          happens); the long and decode suites with the FA4 column
 #   PART=d (no carry): Nsight Compute of the D=256 backwards against FA4 (tools/gpu/ncu_cells.py)
+#   PART=f (any machine): the sinks' dense backward A/B and profile, the sinks case beside Flex, flex with
+#          retain_graph, the first failing flex fuzz cases named
 SESSION=s21; . "$(dirname "$0")/session.sh"
 TABLE=$(python -c "import torch; from flashport import table; print(table.shipped_path(torch.device('cuda')))")
 case "$PART" in
@@ -62,6 +64,18 @@ d)
       echo "$name rc=$? $(grep -c '"Duration"' "$R/ncu/$name.csv") kernels"; save
     done
   done
+  ;;
+f)  # (a fresh machine, no FA4) the 21st session's last call: the sinks' dense backward A/B and profile (PERFLOG
+   # row 74), the sinks case with Flex beside it, flex with retain_graph, and the first failing flex fuzz cases named
+  mkdir -p "$R/programmable"
+  timeout 100 python tools/gpu/probe_sinks.py --out "$R/probe_sinks.jsonl" --flex-seconds 45 2>&1 \
+      | grep -v "Warning\|warn(\|AOTAutograd" | tail -40; save
+  timeout 70 python -m flashport bench --suite programmable --out "$R/programmable" --peers flashport,flex \
+      --match "sinks" 2>&1 | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
+  echo "sinks suite rc=${PIPESTATUS[0]}"; grep -E " ok | failed " "$R/programmable/bench.log" | cut -c1-110; save
+  timeout 60 python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
+      tests/gpu/test_programmable_gpu.py -k "retain_graph or recompile" > "$R/flex_tests.log" 2>&1
+  echo "flex tests rc=$? $(grep -E '[0-9]+ (passed|failed)' "$R/flex_tests.log" | tail -1)"
   ;;
 esac
 save; ls -la "$OUT"

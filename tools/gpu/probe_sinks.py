@@ -1,7 +1,7 @@
 """Where the window + sinks call's time goes (issue [15], PERFLOG row 74): one training step of the programmable
 suite's case under torch.profiler (kernels by CUDA time), and each of its pieces timed alone -- the window call
-with its lse, the sink call over the first 4 keys, the merge -- on the suite's shape (B=2, H=16, S=16384, D=128,
-bf16).  Then the first failing cases of the flex mods fuzz, named (the GPU tier's flex test died unnamed).
+with its lse, the sink call over the first 4 keys (the kernels' backward and few_keys' dense one), the merge --
+on the suite's shape (B=2, H=16, S=16384, D=128, bf16).  Then the first failing cases of the flex mods fuzz, named (the GPU tier's flex test died unnamed).
 Writes JSON lines to --out."""
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import time
 import torch
 
 import flashport
-from flashport import mods
+from flashport import few_keys, mods
 from flashport.bench.timing import gpu_ms
 
 
@@ -37,11 +37,14 @@ def sinks(out, s=16384, w=2048, n=4):
             return (o.float() * do.float()).sum() + (lse * dl).sum()
         return run
 
+    import os
     pieces = {
-        "whole call": (lambda: flashport.attention(q, k, v, block_mask=bm), do),
-        "window alone, no lse": (lambda: flashport.attention(q, k, v, window_size=(w, 0)), do),
+        "whole call, sinks' backward dense (few_keys)": (lambda: flashport.attention(q, k, v, block_mask=bm), do, "1"),
+        "whole call, sinks' backward by the kernels": (lambda: flashport.attention(q, k, v, block_mask=bm), do, "0"),
+        "window alone, no lse": (lambda: flashport.attention(q, k, v, window_size=(w, 0)), do, "1"),
     }
-    for name, (fn, d) in pieces.items():
+    for name, (fn, d, flag) in pieces.items():
+        os.environ["FLASHPORT_FEW_KEYS_DENSE_BWD"] = flag
         f, b = step_ms(fn, (q, k, v), d)
         flashport.reset_stats()
         torch.autograd.grad(fn(), (q, k, v), d, allow_unused=True)
@@ -50,8 +53,10 @@ def sinks(out, s=16384, w=2048, n=4):
     kw = dict(return_lse=True)
     for name, fn in {
         "window with lse (grads into out and lse)": lambda: flashport.attention(q, k, v, window_size=(w, 0), **kw),
-        "sink call (4 keys, grads into out and lse)": lambda: flashport.attention(
+        "sink call (4 keys, grads into out and lse), the kernels' backward": lambda: flashport.attention(
             q, k[:, :m], v[:, :m], window_size=(-1, s - m - w - 1), **kw),
+        "sink call (4 keys, grads into out and lse), dense backward": lambda: few_keys.attention(
+            q, k[:, :m], v[:, :m], right=s - m - w - 1, softmax_scale=128 ** -0.5, softcap=0.0, deterministic=False),
     }.items():
         run = lse_leaf(fn)
         f = gpu_ms(lambda: fn())
@@ -63,6 +68,7 @@ def sinks(out, s=16384, w=2048, n=4):
     f = gpu_ms(lambda: flashport.merge_attention_states([o1, o2], [l1, l2]))
     st = gpu_ms(lambda: torch.autograd.grad(flashport.merge_attention_states([o1, o2], [l1, l2])[0], (o1, o2, l1, l2), do))
     out.write(json.dumps(dict(probe="sinks", piece="merge", fwd_ms=f, bwd_ms=st - f)) + "\n")
+    os.environ["FLASHPORT_FEW_KEYS_DENSE_BWD"] = "1"
     with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
         torch.autograd.grad(flashport.attention(q, k, v, block_mask=bm), (q, k, v), do)
         torch.cuda.synchronize()
