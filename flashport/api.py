@@ -77,8 +77,8 @@ def _sinks_as_two_calls(q, k, v, w, n, spec, deterministic, return_lse):
     the first n keys up to i) as two built-in calls merged by their lse: the window, and the sink keys the window
     does not reach (keys j < m = min(n, S - w - 1) with j <= i - w - 1: bottom-right, a right bound of
     S - m - w - 1).  The key sets are disjoint, so the merge is exact (merge_attention_states, in float32 with the
-    float32 lse: float64 calls keep the mods).  The sinks' call has the dense backward of few_keys (its n keys are
-    one key tile, which a flash backward walks with B * Hkv programs).  No ALiBi: the sinks' call would measure
+    float32 lse: float64 calls keep the mods).  The sinks' call goes through few_keys, whose dense backward
+    (FLASHPORT_FEW_KEYS_DENSE_BWD=1) awaits its GPU timing.  No ALiBi: the sinks' call would measure
     distances from its own diagonal."""
     s = q.shape[1]
     kw = dict(softmax_scale=spec.softmax_scale, softcap=spec.softcap, deterministic=deterministic, return_lse=True)

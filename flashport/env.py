@@ -41,8 +41,9 @@ SWITCHES = {s.name: s for s in (
                                             "program (K, V read once; no float32 partials to sum)"),
     Switch("FLASHPORT_CAP_GRAD_SUMS", "1", "0: the Triton kernels add captured tensors' gradients element by element "
                                            "(no per-tile sums first; for A/B timing), read when a mod is compiled"),
-    Switch("FLASHPORT_FEW_KEYS_DENSE_BWD", "1", "0: the sink tokens' call of a window with sinks takes the kernels' "
-                                                "backward instead of the dense float32 one (flashport/few_keys.py)"),
+    Switch("FLASHPORT_FEW_KEYS_DENSE_BWD", "0", "1: the sink tokens' call of a window with sinks takes the dense "
+                                                "float32 backward of flashport/few_keys.py instead of the kernels' "
+                                                "(off until measured: PERFLOG row 74)"),
     Switch("FLASHPORT_CPU_COMPILE", "auto", "blockwise on a CPU: 'auto' compiles its tile steps (torch.compile) for "
                                              "calls of >= 2^25 scores, '1' always, '0' never"),
     Switch("FLASHPORT_TABLE", "", "path of an auto-selection table to use instead of the cache's or the shipped one; "

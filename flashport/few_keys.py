@@ -7,7 +7,9 @@ whole gradient is a few matrix products over the [B, H, Sq, n] scores: linear me
 backward recomputes P = exp(s - lse) over those scores and applies the flash recurrence to them (dS = P (dP - D
 + d lse), with D = rowsum(P dP)), in float32 from the saved inputs, deterministic.
 
-The forward stays the kernels' (one call with return_lse): there the rows are the parallel dimension already."""
+The forward stays the kernels' (one call with return_lse): there the rows are the parallel dimension already.
+Off by default until a GPU run times both backwards (tools/gpu/gpu_s21.sh part f, PERFLOG row 74): the dense one
+moves about 2.5 GB in the programmable suite's case, which may cost as much as the kernels' walk."""
 from __future__ import annotations
 
 import torch
@@ -19,7 +21,7 @@ MAX_KEYS = 64   # the dense backward holds [B, H, Sq, n] float32 scores and dP: 
 
 def attention(q, k, v, *, right: int, softmax_scale: float, softcap: float, deterministic: bool):
     """(out, lse) of `flashport.attention(q, k, v, window_size=(-1, right), return_lse=True, ...)` over
-    Sk <= MAX_KEYS keys, with the dense backward (FLASHPORT_FEW_KEYS_DENSE_BWD=0: the kernels' backward)."""
+    Sk <= MAX_KEYS keys, with the dense backward where FLASHPORT_FEW_KEYS_DENSE_BWD=1 (else the kernels')."""
     from .api import attention as kernels
     kw = dict(window_size=(-1, right), softmax_scale=softmax_scale, softcap=softcap, deterministic=deterministic,
               return_lse=True)
