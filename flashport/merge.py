@@ -6,6 +6,8 @@ A part with lse = -inf contributes nothing; if every part is -inf the row is zer
 """
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 
@@ -70,13 +72,49 @@ class MergeStates(torch.autograd.Function):
         n = ctx.n
         saved = ctx.saved_tensors
         outs, lses, lse = saved[:n], saved[n:2 * n], saved[2 * n]
-        acc = torch.promote_types(outs[0].dtype, torch.float32)     # float32 for half types, float64 kept
-        d = dout.to(acc)
-        w = [torch.where(torch.isfinite(l) & torch.isfinite(lse), torch.exp(l - lse), 0.0) for l in lses]  # [B, Hq, Sq]
-        # r_p = <d out, out_p> per row, 0 where the part does not count (its output may be garbage there)
-        r = [torch.where(wp > 0, (d * o.to(acc)).sum(-1).transpose(1, 2), 0.0) for wp, o in zip(w, outs)]
-        base = sum(wp * rp for wp, rp in zip(w, r))                  # <d out, out>, exact in acc
-        g = base.neg() if dlse is None else dlse - base
-        d_lses = [torch.where(wp > 0, wp * (rp + g), 0.0) for wp, rp in zip(w, r)]
-        d_outs = [(d * wp.transpose(1, 2)[..., None]).to(o.dtype) for wp, o in zip(w, outs)]
+        fn = _backward_for(outs[0])
+        try:
+            d_outs, d_lses = fn(outs, lses, lse, dout, dlse)
+        except Exception as e:  # noqa: BLE001 -- a Triton that rejects the kernel: the PyTorch backward, said once
+            if fn is merge_backward_torch:
+                raise
+            _warn_fallback(e)
+            d_outs, d_lses = merge_backward_torch(outs, lses, lse, dout, dlse)
         return (None, None, *d_outs, *d_lses)
+
+
+_fell_back: list = []
+
+
+def _warn_fallback(e: Exception) -> None:
+    if _fell_back:
+        return
+    _fell_back.append(e)
+    warnings.warn(f"flashport: the merge's backward kernel failed ({type(e).__name__}: {e}); using the PyTorch "
+                  "backward (about ten float32 passes instead of one)", RuntimeWarning, stacklevel=3)
+
+
+def _backward_for(o: torch.Tensor):
+    """The Triton kernel on CUDA for half and float32 parts (one pass instead of about ten float32 ones), else
+    merge_backward_torch."""
+    if o.is_cuda and o.dtype in (torch.float16, torch.bfloat16, torch.float32):
+        try:
+            from .kernels.merge import merge_backward_triton
+            return merge_backward_triton
+        except ImportError:   # no Triton in this process
+            pass
+    return merge_backward_torch
+
+
+def merge_backward_torch(outs, lses, lse, dout, dlse):
+    """MergeStates' backward in PyTorch operations: (d outs, d lses)."""
+    acc = torch.promote_types(outs[0].dtype, torch.float32)     # float32 for half types, float64 kept
+    d = dout.to(acc)
+    w = [torch.where(torch.isfinite(l) & torch.isfinite(lse), torch.exp(l - lse), 0.0) for l in lses]  # [B, Hq, Sq]
+    # r_p = <d out, out_p> per row, 0 where the part does not count (its output may be garbage there)
+    r = [torch.where(wp > 0, (d * o.to(acc)).sum(-1).transpose(1, 2), 0.0) for wp, o in zip(w, outs)]
+    base = sum(wp * rp for wp, rp in zip(w, r))                  # <d out, out>, exact in acc
+    g = base.neg() if dlse is None else dlse - base
+    d_lses = [torch.where(wp > 0, wp * (rp + g), 0.0) for wp, rp in zip(w, r)]
+    d_outs = [(d * wp.transpose(1, 2)[..., None]).to(o.dtype) for wp, o in zip(w, outs)]
+    return d_outs, d_lses

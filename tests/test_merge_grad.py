@@ -2,6 +2,7 @@
 float64 finite differences, parts that are empty (lse = -inf, garbage outputs) included."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 import flashport
@@ -74,3 +75,22 @@ def test_merge_supports_torch_func_grad():
     lses = [l.detach().double() for l in lses]
     f = lambda l0: flashport.merge.MergeStates.apply(_merge64, 3, *outs, l0, *lses[1:])[1].sum()  # noqa: E731
     torch.testing.assert_close(torch.func.grad(f)(lses[0]), torch.autograd.functional.jacobian(f, lses[0]))
+
+
+def test_a_backward_kernel_that_fails_falls_back_to_the_torch_backward_with_a_warning(monkeypatch):
+    """Where the Triton merge backward is chosen (CUDA) and the toolchain rejects it, the PyTorch backward serves and
+    says so once, instead of failing the user's backward."""
+    from flashport import merge
+
+    def broken(*a):
+        raise RuntimeError("rejected by the compiler")
+    monkeypatch.setattr(merge, "_backward_for", lambda o: broken)
+    monkeypatch.setattr(merge, "_fell_back", [])
+    outs, lses = _parts(torch.float32, empty_rows=False)
+    with pytest.warns(RuntimeWarning, match="rejected by the compiler"):
+        out, lse = flashport.merge_attention_states(outs, lses)
+        got = torch.autograd.grad(out.sum(), outs)
+    want = merge.merge_backward_torch([o.detach() for o in outs], [l.detach() for l in lses], lse.detach(),
+                                      torch.ones_like(out), None)[0]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b)

@@ -86,6 +86,71 @@ def _merge_kernel(
     tl.store(LSE_OUT + b * stride_lob + i * stride_loq + h * stride_loh, lse, mask=h_ok)
 
 
+@triton.jit
+def _part_terms(lse_base, o_base, p, p_ok, h_ok, dv_ok, lse, dout, stride_lp, stride_op):
+    """(w, r) of BLOCK_P parts: w_p = exp(lse_p - lse) (0 where either is not finite) and r_p = <d out, out_p>
+    (0 where w_p = 0, whatever out_p holds there), both [BLOCK_H, BLOCK_P] float32."""
+    lp = tl.load(lse_base[:, None] + p[None, :] * stride_lp, mask=h_ok[:, None] & p_ok[None, :],
+                 other=float("-inf"))
+    ok = (tl.abs(lp) < float("inf")) & (tl.abs(lse) < float("inf"))[:, None]
+    w = tl.where(ok, tl.exp(tl.where(ok, lp - lse[:, None], 0.0)), 0.0)
+    o = tl.load(o_base[:, None, :] + p[None, :, None] * stride_op,
+                mask=h_ok[:, None, None] & p_ok[None, :, None] & dv_ok[None, None, :], other=0.0)
+    o = tl.where((w > 0.0)[:, :, None], o.to(tl.float32), 0.0)
+    return w, tl.sum(o * dout[:, None, :], 2)
+
+
+@triton.jit
+def _merge_bwd_kernel(
+    O_PARTS, LSE_PARTS, LSE, DOUT, DLSE, D_O_PARTS, D_LSE_PARTS,
+    stride_op, stride_ob, stride_oq, stride_oh,       # O_PARTS and D_O_PARTS [P, B, Sq, Hq, Dv], same strides
+    stride_lp, stride_lb, stride_lh, stride_lq,       # LSE_PARTS and D_LSE_PARTS [P, B, Hq, Sq], same strides
+    stride_sb, stride_sh, stride_sq,                  # LSE and DLSE [B, Hq, Sq], same strides
+    stride_db, stride_dq, stride_dh,                  # DOUT [B, Sq, Hq, Dv]
+    num_parts, seqlen_q, heads,
+    HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ONE_CHUNK: tl.constexpr, HAS_DLSE: tl.constexpr,
+):
+    # merge.MergeStates' backward in one pass over the rows (two over the parts when they exceed one chunk: the
+    # sum over all parts of w_p r_p comes first):  d out_p = w_p d out,  d lse_p = w_p (r_p - sum_q w_q r_q + d lse)
+    pid = tl.program_id(0)
+    b = (pid // seqlen_q).to(tl.int64)
+    i = (pid % seqlen_q).to(tl.int64)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = h < heads
+    offs_p = tl.arange(0, BLOCK_P)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    dv_ok = offs_dv < HEAD_DIM_V
+    row = b * stride_sb + i * stride_sq + h * stride_sh
+    lse = tl.load(LSE + row, mask=h_ok, other=float("-inf"))
+    g = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if HAS_DLSE:
+        g = tl.load(DLSE + row, mask=h_ok, other=0.0)
+    dout = tl.load(DOUT + b * stride_db + i * stride_dq + h[:, None] * stride_dh + offs_dv[None, :],
+                   mask=h_ok[:, None] & dv_ok[None, :], other=0.0).to(tl.float32)
+    l_off = b * stride_lb + i * stride_lq + h * stride_lh                                 # [BLOCK_H]
+    o_off = b * stride_ob + i * stride_oq + h[:, None] * stride_oh + offs_dv[None, :]     # [BLOCK_H, BLOCK_DV]
+    base = tl.zeros([BLOCK_H], dtype=tl.float32)
+    if not ONE_CHUNK:
+        for p0 in range(0, num_parts, BLOCK_P):
+            p = (p0 + offs_p).to(tl.int64)
+            w, r = _part_terms(LSE_PARTS + l_off, O_PARTS + o_off, p, p < num_parts, h_ok, dv_ok, lse, dout,
+                               stride_lp, stride_op)
+            base += tl.sum(w * r, 1)
+    for p0 in range(0, num_parts, BLOCK_P):
+        p = (p0 + offs_p).to(tl.int64)
+        p_ok = p < num_parts
+        w, r = _part_terms(LSE_PARTS + l_off, O_PARTS + o_off, p, p_ok, h_ok, dv_ok, lse, dout, stride_lp,
+                           stride_op)
+        if ONE_CHUNK:
+            base = tl.sum(w * r, 1)
+        d_lse = tl.where(w > 0.0, w * (r + (g - base)[:, None]), 0.0)
+        tl.store(D_LSE_PARTS + l_off[:, None] + p[None, :] * stride_lp, d_lse, mask=h_ok[:, None] & p_ok[None, :])
+        tl.store(D_O_PARTS + o_off[:, None, :] + p[None, :, None] * stride_op,
+                 (dout[:, None, :] * w[:, :, None]).to(D_O_PARTS.dtype.element_ty),
+                 mask=h_ok[:, None, None] & p_ok[None, :, None] & dv_ok[None, None, :])
+
+
 # Elements of the [BLOCK_H, BLOCK_P, BLOCK_DV] float32 tile one program holds (32 registers per thread
 # at 8 warps): the whole split count of a decode call (<= 64 parts at Dv = 128) fits in one chunk.
 TILE_ELEMS = 8192
@@ -136,3 +201,27 @@ def merge_states_triton(outs, lses):
         merge_partials(o_parts, torch.stack(lses), out, lse)
     return out, lse
 
+
+
+def merge_backward_triton(outs, lses, lse, dout, dlse, tile_elems: int = TILE_ELEMS):
+    """merge.merge_backward_torch in one Triton kernel: the parts' (d outs, d lses), each a view of one stacked
+    buffer.  outs [B, Sq, Hq, Dv] in one dtype (float16 / bfloat16 / float32), lses and lse [B, Hq, Sq] float32,
+    dlse None or like lse."""
+    n = len(outs)
+    o_parts = torch.stack([o if o.stride(-1) == 1 else o.contiguous() for o in outs])
+    lse_parts = torch.stack(lses)
+    d_o, d_lse = torch.empty_like(o_parts), torch.empty_like(lse_parts)    # the parts' strides, as the kernel assumes
+    dout = dout if dout.stride(-1) == 1 else dout.contiguous()
+    lse = lse.contiguous()
+    dlse = None if dlse is None else dlse.contiguous()
+    _, bsz, sq, hq, dv = o_parts.shape
+    if o_parts.numel() and lse.numel():
+        block_h, meta = _merge_meta(n, hq, dv, tile_elems)
+        with device_guard(o_parts.device):
+            _merge_bwd_kernel[(bsz * sq, triton.cdiv(hq, block_h))](
+                o_parts, lse_parts, lse, dout, lse if dlse is None else dlse, d_o, d_lse,
+                *o_parts.stride()[:4], *lse_parts.stride(), *lse.stride(), *dout.stride()[:3],
+                n, sq, hq, **meta, HAS_DLSE=dlse is not None)
+    else:
+        d_o.zero_(), d_lse.zero_()
+    return list(d_o.unbind(0)), list(d_lse.unbind(0))
