@@ -41,6 +41,9 @@ SWITCHES = {s.name: s for s in (
                                             "program (K, V read once; no float32 partials to sum)"),
     Switch("FLASHPORT_CAP_GRAD_SUMS", "1", "0: the Triton kernels add captured tensors' gradients element by element "
                                            "(no per-tile sums first; for A/B timing), read when a mod is compiled"),
+    Switch("FLASHPORT_BWD_Q_CHUNKS", "auto", "the Triton dK/dV kernel's programs per K/V tile, each over its own run "
+                                            "of Q tiles: 'auto' splits only where few key tiles leave SMs idle "
+                                            "(kernels/attn_bwd.q_chunks); N forces N (tests, A/B)"),
     Switch("FLASHPORT_FEW_KEYS_DENSE_BWD", "0", "1: the sink tokens' call of a window with sinks takes the dense "
                                                 "float32 backward of flashport/few_keys.py instead of the kernels' "
                                                 "(off until measured: PERFLOG row 74)"),

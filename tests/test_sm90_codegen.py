@@ -79,3 +79,22 @@ def test_kernels_with_compiled_mods_compile_for_sm90(tmp_path):
         assert r["sass"]["HGMMA"] > 0 and r["sass"]["HMMA"] == 0, (r["kernel"], r["mods"], r["sass"])
         assert r["stack_bytes"] <= 64, (r["kernel"], r["mods"], r["stack_bytes"])
         assert r["shared_bytes"] <= 232448, (r["kernel"], r["mods"], r["shared_bytes"])
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="Triton's bundled cuobjdump is missing")
+def test_q_chunked_dkdv_and_the_merge_kernels_compile_for_sm90_without_spills(tmp_path):
+    """The dK/dV kernel with its Q tiles split over programs (FLASHPORT_BWD_Q_CHUNKS forces the runtime value that
+    auto chooses on a GPU), and the merge's forward and backward kernels, one chunk of parts and several."""
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["FLASHPORT_BWD_Q_CHUNKS"] = "3"
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "compile_report.py"), "--d", "64", "--merge",
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())
+    kernels = [r["kernel"] for r in rows]
+    assert "bwd_dkdv" in kernels and kernels.count("merge") == 2 and kernels.count("merge_bwd") == 2, kernels
+    for r in rows:
+        if r["kernel"] in ("bwd_dkdv", "merge", "merge_bwd"):
+            assert "error" not in r and r["sass"]["LDL"] + r["sass"]["STL"] == 0 and r["stack_bytes"] == 0, r
+    assert next(r for r in rows if r["kernel"] == "bwd_dkdv")["sass"]["HGMMA"] > 0

@@ -22,6 +22,7 @@ masks as in the forward.
 """
 from __future__ import annotations
 
+import functools
 from dataclasses import replace
 
 import torch
@@ -183,11 +184,18 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
               HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
               DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
               SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr,
-              gcap=None, CAP_GRAD: tl.constexpr = None, GROUP_LOOP: tl.constexpr = False):
+              gcap=None, CAP_GRAD: tl.constexpr = None, GROUP_LOOP: tl.constexpr = False, q_chunks=1,
+              stride_dkc=0, stride_dvc=0):
     """GROUP_LOOP: one program per (K/V tile, kv head, batch entry) accumulates dK, dV over every query head of the
     kv head's GQA group (K and V read once, dK and dV written once in their own dtype); otherwise one program per
-    query head, writing dK, dV of that head alone (float32 partials under GQA, summed by `backward`)."""
+    query head, writing dK, dV of that head alone (float32 partials under GQA, summed by `backward`).
+    q_chunks > 1: q_chunks programs share each K/V tile, each over its own run of the tile's Q tiles, writing float32
+    partials at DK + chunk * stride_dkc (summed by `backward`; see q_chunks())."""
     pid_n = tl.program_id(0)
+    chunk = 0
+    if q_chunks > 1:
+        chunk = pid_n % q_chunks
+        pid_n = pid_n // q_chunks
     pid_h = tl.program_id(1)   # the query head (its K/V from kv head pid_h // G), or with GROUP_LOOP the kv head
     b = tl.program_id(2)
     if GROUP_LOOP:
@@ -211,6 +219,14 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
 
     # Q tiles with a row that sees this key tile [lo, hi), of which [full_lo, full_hi) need no mask.
     lo, hi, full_lo, full_hi = query_tiles(start_n, sq, sk, diag, left, right, BLOCK_M, BLOCK_N, HAS_LEFT, HAS_RIGHT)
+    if q_chunks > 1:   # this program's run of Q tiles; its full tiles are the full tiles inside it
+        per = tl.cdiv(tl.cdiv(tl.maximum(hi - lo, 0), BLOCK_M), q_chunks) * BLOCK_M
+        c_lo = tl.minimum(lo + chunk * per, hi)
+        c_hi = tl.minimum(c_lo + per, hi)
+        full_lo = tl.minimum(tl.maximum(full_lo, c_lo), c_hi)
+        full_hi = tl.minimum(tl.maximum(full_hi, full_lo), c_hi)
+        lo = c_lo
+        hi = c_hi
     dk = tl.zeros([BLOCK_N, BLOCK_D], tl.float32)
     dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
     if GROUP_LOOP:
@@ -232,10 +248,11 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
 
     row_mask = offs_n[:, None] < sk
     h64 = tl.cast(pid_h, tl.int64)   # the head dK / dV are written to: the program's own
-    dk_ptr = DK + offset(b64, h64, row0, stride_dkb, stride_dkh, stride_dks, ALIGN)
+    c64 = tl.cast(chunk, tl.int64)
+    dk_ptr = DK + c64 * stride_dkc + offset(b64, h64, row0, stride_dkb, stride_dkh, stride_dks, ALIGN)
     tl.store(dk_ptr + offs_nb[:, None] * stride_dks + offs_d[None, :], dk.to(DK.dtype.element_ty),
              mask=row_mask & (offs_d[None, :] < D))
-    dv_ptr = DVt + offset(b64, h64, row0, stride_dvb, stride_dvh, stride_dvs, ALIGN)
+    dv_ptr = DVt + c64 * stride_dvc + offset(b64, h64, row0, stride_dvb, stride_dvh, stride_dvs, ALIGN)
     tl.store(dv_ptr + offs_nb[:, None] * stride_dvs + offs_dv[None, :], dv.to(DVt.dtype.element_ty),
              mask=row_mask & (offs_dv[None, :] < DV))
 
@@ -408,13 +425,26 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
         cap_bufs, gcap = mods.gcap()
         cap_args = dict(gcap=gcap, CAP_GRAD=mods.cap_grad)
 
+    chunked = {}   # the launch's float32 partials over Q chunks, when q_chunks() splits (summed below)
+
     def launch_dkdv(cfg):
-        grid = (cdiv(spec.seqlen_k, cfg.block_n), hkv if group_loop else hq, spec.batch)
-        _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk_out, dv_out, a.slopes, a.cu_q, a.cu_k, a.rng,
-                        *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk_out), *a.strides(dv_out),
-                        *l_strides, *common, a.skip(cfg.block_m, cfg.block_n), BLOCK_M=cfg.block_m,
+        heads = hkv if group_loop else hq
+        chunks = q_chunks(spec, cfg, q.device, cdiv(spec.seqlen_k, cfg.block_n) * heads * spec.batch)
+        dk_t, dv_t = dk_out, dv_out
+        if chunks > 1:
+            alloc32 = torch.zeros if varlen else torch.empty
+            dk_t, dv_t = (alloc32((chunks, *t.shape), dtype=torch.float32, device=t.device) for t in (dk_out, dv_out))
+            a.cover(dk_t[0], dv_t[0])
+        chunked.update(chunks=chunks, dk=dk_t, dv=dv_t)
+        grid = (cdiv(spec.seqlen_k, cfg.block_n) * chunks, heads, spec.batch)
+        _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk_t, dv_t, a.slopes, a.cu_q, a.cu_k, a.rng,
+                        *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk_t[0] if chunks > 1 else dk_t),
+                        *a.strides(dv_t[0] if chunks > 1 else dv_t), *l_strides, *common,
+                        a.skip(cfg.block_m, cfg.block_n), BLOCK_M=cfg.block_m,
                         BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCORE_GRAD=a.score_grad, num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages, GROUP_LOOP=group_loop, **a.constexprs, **cap_args)
+                        num_stages=cfg.num_stages, GROUP_LOOP=group_loop, **a.constexprs, **cap_args,
+                        q_chunks=chunks, stride_dkc=dk_t.stride(0) if chunks > 1 else 0,
+                        stride_dvc=dv_t.stride(0) if chunks > 1 else 0)
 
     def launch_dq(cfg):
         cfg = dq_config_with_mods(cfg, a)
@@ -427,10 +457,40 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     variant = (a.variant, a.constexprs["BLOCK_SKIP"], group_loop)
     launch_with_fallback("bwd_dkdv", spec, q.device, launch_dkdv, configs.get("bwd_dkdv"), variant)
     launch_with_fallback("bwd_dq", spec, q.device, launch_dq, configs.get("bwd_dq"), variant)
+    if chunked["chunks"] > 1:   # the Q chunks' partials, summed in chunk order (bitwise reproducible)
+        dk_sum, dv_sum = chunked["dk"].sum(0), chunked["dv"].sum(0)
+        if expand:
+            dk_out, dv_out = dk_sum, dv_sum
+        else:
+            dk.copy_(dk_sum)
+            dv.copy_(dv_sum)
     if expand:  # [..., Hq, D] -> [..., Hkv, G, D] summed over G (query head h belongs to kv head h // G)
         dk.copy_(dk_out.unflatten(-2, (hkv, spec.group_size)).sum(-2))
         dv.copy_(dv_out.unflatten(-2, (hkv, spec.group_size)).sum(-2))
     return (dq, dk, dv, *(buf.to(t.dtype) for buf, t in zip(cap_bufs, mods.grad_leaves if cap_bufs else ())))
+
+
+def q_chunks(spec, cfg, device, programs: int) -> int:
+    """How many programs share each K/V tile in the dK/dV kernel, over disjoint runs of its Q tiles.  One program per
+    key tile walks every Q tile that sees it; where the key tiles x heads x batch leave most SMs idle and the walk is
+    long -- a few keys against many queries: the sink tokens' call of a window with sinks, cross-attention over a
+    short context -- the walk is split, and the float32 partials are summed after.  FLASHPORT_BWD_Q_CHUNKS=N forces
+    N (tests, A/B runs)."""
+    q_tiles = cdiv(spec.seqlen_q, cfg.block_m)
+    forced = env.value("FLASHPORT_BWD_Q_CHUNKS")
+    if forced != "auto":
+        return max(1, min(int(forced), q_tiles))
+    if device.type != "cuda":
+        return 1
+    sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+    if 2 * programs > sms or q_tiles < 32:
+        return 1
+    return min(cdiv(2 * sms, programs), q_tiles // 16)
+
+
+@functools.lru_cache(maxsize=16)
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def dq_config_with_mods(cfg, a: KernelArgs):

@@ -7,6 +7,7 @@ LDL/STL = spill traffic; REDG/ATOMG = global atomics).
     python tools/gpu/compile_report.py --d 128 --json out.json
     python tools/gpu/compile_report.py --d --hopper-fwd     # only the Gluon Hopper forward, D in {64, 128, 256}
     python tools/gpu/compile_report.py --d 64 --mods         # with compiled mods and a block mask (issue [15])
+    python tools/gpu/compile_report.py --d --merge          # only the merge's forward and backward kernels
 
 How: Triton compiles ahead of time through `JITFunction.warmup`; a stand-in driver names the target
 (GPUTarget("cuda", 90, 32)), and kernel launches are turned into warmups, so the real host launchers
@@ -187,6 +188,23 @@ def sweep_grid(kernel: str, d: int) -> list:
     return [c for c in grid if tuning.smem_estimate(kernel, c, bd, bd, 2) <= tuning.SMEM_OPTIN[(9, 0)]]
 
 
+def compile_merge_case(dv: int = 128, dtype=torch.bfloat16) -> list:
+    """The merge's forward and backward kernels (kernels/merge.py): 2 parts (the window + sinks rewrite) and 9 read
+    two at a time (the two-pass path)."""
+    from flashport.kernels.merge import merge_backward_triton, merge_states_triton
+    rows = []
+    for parts, tile in ((2, None), (9, 2 * dv)):
+        outs = [torch.randn(1, 4, 8, dv, dtype=dtype) for _ in range(parts)]
+        lses = [torch.randn(1, 8, 4) for _ in range(parts)]
+        _compiled.clear()
+        out, lse = merge_states_triton(outs, lses)
+        kw = {} if tile is None else {"tile_elems": tile}
+        merge_backward_triton(outs, lses, lse, out, torch.zeros_like(lse), **kw)
+        rows += [dict(kernel=name.removeprefix("_").removesuffix("_kernel"), d=dv, config={}, dtype=str(dtype),
+                      mods=f"{parts} parts", **report(k)) for name, _, k in _compiled]
+    return rows
+
+
 def _table_or_default(kernel, bucket, spec):
     from flashport.kernels import tuning
     tuned = [tuning.TABLE[k] for k in tuning.spec_keys("NVIDIA H200", kernel, spec) if k in tuning.TABLE]
@@ -206,6 +224,7 @@ def main(argv=None) -> int:
                     help="--hopper-fwd: which dtypes to compile")
     ap.add_argument("--mods", action="store_true", help="also compile a programmable call's kernels (compiled "
                     "score_mod, mask_mod and a block mask) for each --d")
+    ap.add_argument("--merge", action="store_true", help="also compile the merge's forward and backward kernels")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     driver.set_active(_HopperTarget())
@@ -224,6 +243,8 @@ def main(argv=None) -> int:
     if args.mods:
         for d in args.d:
             rows += compile_mods_case(d, block_mask=False) + compile_mods_case(d, block_mask=True)
+    if args.merge:
+        rows += compile_merge_case()
     if args.hopper_fwd:
         from flashport.kernels.attn_fwd_hopper import TILES
         ds = [d for d in args.d if d in TILES] or None    # none of --d served (`--d` with no value): all
