@@ -5,7 +5,7 @@
 #   fa4_step2   its second half (.fa4b, within 30 s on the same warm machine): installs it and puts it on PYTHONPATH
 #   fa4_env     a later call on that machine: puts the installed FA4 on PYTHONPATH again
 #   programmable_tier SECONDS   issue [15]'s GPU tier (tests/gpu/test_programmable_gpu.py, fuzz counts MODS_N /
-#               FLEX_N / TRITON_N), its log in $R/programmable_gpu.log, each failing fuzz case printed as it happens
+#               FLEX_N / TRITON_N), one time limit and log per test in $R/programmable_gpu/, failing cases printed
 set -uo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/../.."
 R=/tmp/${SESSION}_$PART; rm -rf "$R"; mkdir -p "$R"
@@ -26,10 +26,19 @@ fa4_step2() {
   bash .fa4b/install.sh 2>&1 | tail -3 | tee "$R/fa4_install.log"
   fa4_env
 }
-programmable_tier() {
-  FLASHPORT_MODS_FUZZ_N=${MODS_N:-100} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-40} FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-100} \
-      timeout "$1" python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
-      --durations=10 tests/gpu/test_programmable_gpu.py > "$R/programmable_gpu.log" 2>&1
-  echo "programmable tier rc=$?"; grep -E "passed|failed|^FAIL|^ERROR|^E " "$R/programmable_gpu.log" | cut -c1-300 | head -20
+programmable_tier() {   # SECONDS for the whole tier, shared out per test (a slow one cannot hide the others' verdicts)
+  local t=tests/gpu/test_programmable_gpu.py total=$1
+  mkdir -p "$R/programmable_gpu"
+  for spec in "blockwise:test_mods_fuzz_on_cuda[blockwise]:12" "flex:test_mods_fuzz_on_cuda[flex]:30" \
+              "triton:test_mods_fuzz_on_cuda[triton]:30" "auto:test_mods_fuzz_on_cuda[auto]:18" \
+              "rest:test_flex_does_not_recompile_for_new_lengths or retain_graph or declared_backend:10"; do
+    local name=${spec%%:*} rest=${spec#*:}; local sel=${rest%:*} pct=${rest##*:}
+    local args=("$t::$sel"); [[ "$sel" == *" or "* ]] && args=("$t" -k "$sel")
+    FLASHPORT_MODS_FUZZ_N=${MODS_N:-100} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-40} FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-100} \
+        timeout $(( total * pct / 100 )) python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
+        "${args[@]}" > "$R/programmable_gpu/$name.log" 2>&1
+    echo "programmable $name rc=$? $(grep -E '[0-9]+ (passed|failed)|PASS, ' "$R/programmable_gpu/$name.log" | tr '\n' ' ' | cut -c1-200)"
+    grep -E "^FAIL " "$R/programmable_gpu/$name.log" | cut -c1-300 | head -5
+  done
 }
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader | tee "$R/card.txt"
