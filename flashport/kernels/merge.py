@@ -23,6 +23,17 @@ from .common import device_guard
 
 
 @triton.jit
+def _program_rows(seqlen_q, heads, HEAD_DIM_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_P: tl.constexpr,
+                  BLOCK_DV: tl.constexpr):
+    """A merge program's row (b, i), its BLOCK_H heads h (h_ok: inside Hq), and the part and Dv offsets of its tile."""
+    pid = tl.program_id(0)
+    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
+    offs_dv = tl.arange(0, BLOCK_DV)
+    return ((pid // seqlen_q).to(tl.int64), (pid % seqlen_q).to(tl.int64), h, h < heads, tl.arange(0, BLOCK_P),
+            offs_dv, offs_dv < HEAD_DIM_V)
+
+
+@triton.jit
 def _merge_kernel(
     O_PARTS, LSE_PARTS, OUT, LSE_OUT,
     stride_op, stride_ob, stride_oq, stride_oh,       # O_PARTS [P, B, Sq, Hq, Dv]
@@ -38,16 +49,9 @@ def _merge_kernel(
     # memory instead of 64 dependent loads (at batch 1 the merge is latency-bound, not bandwidth-bound).
     if WAIT_PRIOR:  # launched early by programmatic dependent launch: wait for the split kernel's writes
         tl.extra.cuda.gdc_wait()
-    pid = tl.program_id(0)
-    b = (pid // seqlen_q).to(tl.int64)
-    i = (pid % seqlen_q).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < heads
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_dv = tl.arange(0, BLOCK_DV)
+    b, i, h, h_ok, offs_p, offs_dv, dv_ok = _program_rows(seqlen_q, heads, HEAD_DIM_V, BLOCK_H, BLOCK_P, BLOCK_DV)
     lse_base = LSE_PARTS + b * stride_lb + i * stride_lq + h * stride_lh                     # [BLOCK_H]
     o_base = O_PARTS + b * stride_ob + i * stride_oq + h[:, None] * stride_oh + offs_dv[None, :]
-    dv_ok = offs_dv < HEAD_DIM_V
 
     lse_max = tl.full([BLOCK_H], float("-inf"), dtype=tl.float32)
     if not ONE_CHUNK:  # first pass: the max over all parts, so the weights below never overflow
@@ -113,14 +117,7 @@ def _merge_bwd_kernel(
 ):
     # merge.MergeStates' backward in one pass over the rows (two over the parts when they exceed one chunk: the
     # sum over all parts of w_p r_p comes first):  d out_p = w_p d out,  d lse_p = w_p (r_p - sum_q w_q r_q + d lse)
-    pid = tl.program_id(0)
-    b = (pid // seqlen_q).to(tl.int64)
-    i = (pid % seqlen_q).to(tl.int64)
-    h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_ok = h < heads
-    offs_p = tl.arange(0, BLOCK_P)
-    offs_dv = tl.arange(0, BLOCK_DV)
-    dv_ok = offs_dv < HEAD_DIM_V
+    b, i, h, h_ok, offs_p, offs_dv, dv_ok = _program_rows(seqlen_q, heads, HEAD_DIM_V, BLOCK_H, BLOCK_P, BLOCK_DV)
     row = b * stride_sb + i * stride_sq + h * stride_sh
     lse = tl.load(LSE + row, mask=h_ok, other=float("-inf"))
     g = tl.zeros([BLOCK_H], dtype=tl.float32)
