@@ -479,7 +479,9 @@ def q_chunks(spec, cfg, device, programs: int) -> int:
     q_tiles = cdiv(spec.seqlen_q, cfg.block_m)
     forced = env.value("FLASHPORT_BWD_Q_CHUNKS")
     if forced != "auto":
-        return max(1, min(int(forced), q_tiles))
+        if not forced.isdigit() or int(forced) < 1:
+            raise ValueError(f"FLASHPORT_BWD_Q_CHUNKS must be 'auto' or a positive integer, got {forced!r}")
+        return min(int(forced), q_tiles)
     if device.type != "cuda":
         return 1
     sms = _sm_count(device.index if device.index is not None else torch.cuda.current_device())

@@ -61,3 +61,16 @@ def test_q_chunks_chooses_a_split_only_where_sms_idle(monkeypatch):
     S.seqlen_q = 1024
     assert attn_bwd.q_chunks(S, cfg, cuda, programs=32) == 1         # a short walk (16 Q tiles)
     assert attn_bwd.q_chunks(S, cfg, torch.device("cpu"), programs=1) == 1
+
+
+def test_q_chunks_setting_must_be_auto_or_a_positive_integer(monkeypatch):
+    from flashport.kernels import attn_bwd, tuning
+
+    class S:
+        seqlen_q = 64
+    for bad in ("0", "-2", "many"):
+        monkeypatch.setenv("FLASHPORT_BWD_Q_CHUNKS", bad)
+        with pytest.raises(ValueError, match="FLASHPORT_BWD_Q_CHUNKS"):
+            attn_bwd.q_chunks(S, tuning.KernelConfig(16, 16, 4, 1), torch.device("cpu"), programs=1)
+    monkeypatch.setenv("FLASHPORT_BWD_Q_CHUNKS", "9")
+    assert attn_bwd.q_chunks(S, tuning.KernelConfig(16, 16, 4, 1), torch.device("cpu"), programs=1) == 4  # 4 Q tiles
