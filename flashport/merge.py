@@ -95,10 +95,9 @@ def _warn_fallback(e: Exception) -> None:
 
 
 def _backward_for(o: torch.Tensor):
-    """The Triton kernel on CUDA (and on CPU tensors under TRITON_INTERPRET=1, as the forward) for half and
-    float32 parts (one pass instead of about ten float32 ones), else merge_backward_torch."""
-    from . import env
-    if (o.is_cuda or env.interpreting()) and o.dtype in (torch.float16, torch.bfloat16, torch.float32):
+    """The Triton kernel on CUDA for half and float32 parts (one pass instead of about ten float32 ones), else
+    merge_backward_torch (tests/interpreter runs the kernel on CPU tensors against it)."""
+    if o.is_cuda and o.dtype in (torch.float16, torch.bfloat16, torch.float32):
         try:
             from .kernels.merge import merge_backward_triton
             return merge_backward_triton
