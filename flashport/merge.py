@@ -72,7 +72,8 @@ class MergeStates(torch.autograd.Function):
         n = ctx.n
         saved = ctx.saved_tensors
         outs, lses, lse = saved[:n], saved[n:2 * n], saved[2 * n]
-        fn = _backward_for(outs[0])
+        # create_graph=True (grad mode on in here): the PyTorch backward, whose operations autograd records
+        fn = merge_backward_torch if torch.is_grad_enabled() else _backward_for(outs[0])
         try:
             d_outs, d_lses = fn(outs, lses, lse, dout, dlse)
         except Exception as e:  # noqa: BLE001 -- a Triton that rejects the kernel: the PyTorch backward, said once

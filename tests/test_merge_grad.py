@@ -94,3 +94,18 @@ def test_a_backward_kernel_that_fails_falls_back_to_the_torch_backward_with_a_wa
                                       torch.ones_like(out), None)[0]
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_double_backward_runs_the_recorded_pytorch_backward(monkeypatch):
+    """With create_graph=True the backward must be differentiable: the kernel's outputs would carry no graph (second
+    derivatives silently zero), so the PyTorch backward runs there even where the kernel is chosen."""
+    from flashport import merge
+
+    def like_the_kernel(*args):   # right values, no graph: what a Triton launch returns
+        with torch.no_grad():
+            return merge.merge_backward_torch(*args)
+    monkeypatch.setattr(merge, "_backward_for", lambda o: like_the_kernel)
+    outs, lses = _parts(torch.float64, empty_rows=False)
+    lses = [l.detach().double().requires_grad_() for l in lses]
+    f = lambda *xs: flashport.merge.MergeStates.apply(_merge64, 3, *xs)  # noqa: E731
+    assert torch.autograd.gradgradcheck(f, (*outs, *lses), eps=1e-6, atol=1e-7)
