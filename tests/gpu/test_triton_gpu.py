@@ -101,6 +101,52 @@ def test_deterministic_backward_bitwise_100x():
         assert all(torch.equal(a, b) for a, b in zip(first, again))
 
 
+FEW_KEYS = [Case(b=2, sq=4096, sk=77, hq=8, hkv=8, d=64, dtype=torch.bfloat16),               # cross-attention
+            Case(b=2, sq=4000, sk=4, hq=16, hkv=4, d=128, window=(-1, 3000), dtype=torch.bfloat16)]  # sinks' call
+
+
+@pytest.mark.parametrize("case", FEW_KEYS, ids=str)
+def test_q_chunks_auto_split_is_exact_and_bitwise_repeatable(case, monkeypatch):
+    """A few keys against many queries: auto splits each key tile's walk (attn_bwd.q_chunks); the gradients pass the
+    rule, repeat bitwise with deterministic=True, and match the unsplit kernel's to float32 summation order."""
+    from types import SimpleNamespace
+
+    from flashport.kernels import attn_bwd, tuning
+    programs = -(-case.sk // 64) * case.hq * case.b
+    if 2 * programs <= attn_bwd._sm_count(torch.cuda.current_device()):   # an H100 / H200: 132 SMs
+        assert attn_bwd.q_chunks(SimpleNamespace(seqlen_q=case.sq), tuning.KernelConfig(64, 64, 4, 1),
+                                 torch.device(DEV), programs) > 1
+    check_dense("triton", case, DEV)
+    q, k, v, do, _ = make_inputs(case, DEV)
+    kw = dict(window_size=case.window, deterministic=True, backend="triton")
+    grads = []
+    for chunks in ("auto", "auto", "1"):
+        monkeypatch.setenv("FLASHPORT_BWD_Q_CHUNKS", chunks)
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        grads.append(torch.autograd.grad(flashport.attention(*leaves, **kw), leaves, do))
+    assert all(torch.equal(a, b) for a, b in zip(grads[0], grads[1]))
+    for a, b in zip(grads[0], grads[2]):
+        torch.testing.assert_close(a.float(), b.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_merge_backward_kernel_matches_the_pytorch_backward():
+    """The merge's backward kernel as compiled for this card (the interpreter tier checks its semantics)."""
+    from flashport.kernels.merge import merge_backward_triton
+    from flashport.merge import merge_backward_torch
+    g = torch.Generator(device=DEV).manual_seed(0)
+    outs = [torch.randn(2, 1000, 16, 128, device=DEV, generator=g).to(torch.bfloat16) for _ in range(3)]
+    lses = [torch.randn(2, 16, 1000, device=DEV, generator=g) * 3 for _ in range(3)]
+    lses[1][0, :, :100] = float("-inf")
+    outs[1][0, :100] = float("nan")
+    _, lse = flashport.merge_attention_states(outs, lses)
+    dout = torch.randn(2, 1000, 16, 128, device=DEV, generator=g).to(torch.bfloat16)
+    dlse = torch.randn(2, 16, 1000, device=DEV, generator=g)
+    got, want = merge_backward_triton(outs, lses, lse, dout, dlse), merge_backward_torch(outs, lses, lse, dout, dlse)
+    for a, b in zip(got[0] + got[1], want[0] + want[1]):
+        assert torch.isfinite(a).all()
+        torch.testing.assert_close(a.float(), b.float(), atol=1e-2, rtol=1e-2)
+
+
 def test_int64_offsets_past_2_31_elements():
     """q and out hold more than 2**31 elements: rows at the end must be right (forward only)."""
     s, h, d = 2**20 + 128, 16, 128
