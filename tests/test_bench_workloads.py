@@ -18,6 +18,7 @@ def test_workloads_suite_is_well_formed():
     assert len(set(labels)) == len(labels)
     assert any(s.window >= 0 for s in shapes) and any(s.dv and s.dv != s.d for s in shapes)
     assert {s.d for s in shapes} >= {72, 80, 96, 128, 192, 256}
+    assert any(s.kind == "dense" and 16 * s.sk <= s.sq for s in shapes)   # cross-attention over a short context
     assert gpu_suite("workloads", quick=True) and all(s.sq <= 4096 for s in gpu_suite("workloads", quick=True))
     assert "window4096" in Shape("m", 1, 16384, 16384, 32, 8, 128, causal=True, window=4096).label()
 
@@ -145,3 +146,17 @@ def test_fa4_peer_is_marked_not_installed_with_the_reason(monkeypatch):
         assert gpu._status(e.value) == "not installed"
     assert "fa4" in peers.DENSE and "fa4" in peers.DECODE
     assert set(peers.versions()) == {"flash-attn-4", "nvidia-cutlass-dsl"}
+
+
+def test_cross_attention_peers_serve_a_short_context_exactly():
+    """Sq >> Sk, no mask (top-left and bottom-right agree): flashport and SDPA on the CPU against the reference."""
+    s = Shape("t", 1, 48, 5, 2, 2, 16, dtype="float32")
+    q, k, v = peers.make_inputs(s, torch.device("cpu"), requires_grad=False)
+    ref, _ = materialized_attention(q, k, v, scale=16 ** -0.5)
+    for impl in ("flashport", "sdpa-cudnn"):
+        try:
+            out = peers.dense_fn(impl, s, q, k, v)()
+        except peers.NotApplicable:   # a CUDA-only peer on this machine
+            continue
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+    assert flops(s, "fwd") == 4 * 1 * 2 * 48 * 5 * 16

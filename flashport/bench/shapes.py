@@ -129,7 +129,7 @@ def models() -> list[Shape]:
 
 def workloads() -> list[Shape]:
     """Shapes of the kinds real models train and serve with (issue [8]): GQA training, sliding windows,
-    head dims that are not powers of two, MLA's D=192 / Dv=128, D=256.  Varlen packing, chunked prefill and
+    head dims that are not powers of two, MLA's D=192 / Dv=128, D=256, cross-attention over a short context.  Varlen packing, chunked prefill and
     ragged paged decode as their own kinds ("varlen", "chunked": attention_with_kvcache with Sq > 1, "decode"
     with ragged lengths)."""
     return [
@@ -142,6 +142,8 @@ def workloads() -> list[Shape]:
         Shape("dit-xl", 8, 4096, 4096, 16, 16, 72),
         Shape("deepseek-v3-mla-prefill", 1, 4096, 4096, 128, 128, 192, dv=128, causal=True),
         Shape("fa3-hdim256", 4, 4096, 4096, 8, 8, 256),
+        # SDXL's text cross-attention at its 64 x 64 level: 4096 image tokens against the prompt's 77 (B = 2: CFG)
+        Shape("sdxl-cross-attn", 2, 4096, 77, 10, 10, 64),
         Shape("packed-docs", 1, 16384, 16384, 32, 8, 128, causal=True, kind="varlen",
               docs=(3000, 2900, 2500, 2200, 2100, 1800, 1200, 667, 17)),
         Shape("packed-docs", 1, 32768, 32768, 32, 8, 128, causal=True, kind="varlen", docs=_docs(40, 32768, 1)),
