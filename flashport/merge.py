@@ -77,8 +77,8 @@ class MergeStates(torch.autograd.Function):
         try:
             d_outs, d_lses = fn(outs, lses, lse, dout, dlse)
         except Exception as e:  # noqa: BLE001 -- a Triton that rejects the kernel: the PyTorch backward, said once
-            if fn is merge_backward_torch:
-                raise
+            if fn is merge_backward_torch or isinstance(e, torch.cuda.OutOfMemoryError):
+                raise   # (the PyTorch backward needs more memory than the kernel)
             _warn_fallback(e)
             d_outs, d_lses = merge_backward_torch(outs, lses, lse, dout, dlse)
         return (None, None, *d_outs, *d_lses)

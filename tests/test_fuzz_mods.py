@@ -64,6 +64,18 @@ def test_a_case_that_raises_is_a_fail_naming_the_error(monkeypatch):
     assert r["status"] == "FAIL" and "RuntimeError: donated buffers" in r["problems"][0]
 
 
+def test_a_refusal_outside_the_call_is_a_skip(monkeypatch):
+    """An UnsupportedError raised anywhere in the case (here by the block mask's construction) is a declared refusal,
+    a SKIP, not a FAIL."""
+    import flashport
+
+    def refuse(*a, **k):
+        raise flashport.UnsupportedError("pretend: no block masks here")
+    monkeypatch.setattr(flashport, "create_block_mask", refuse)
+    c = next(c for c in (fuzz_mods.draw(SEED, i) for i in range(200)) if c["block"] and c["mask"] != "none")
+    assert fuzz_mods.run(c, "blockwise", "cpu")["status"] == "SKIP"
+
+
 def test_a_backend_is_fuzzed_on_the_features_it_declares():
     """A backend's cases turn off what it does not declare (else they would SKIP): sdpa-cpu computes no gradient into a
     captured table; triton and blockwise declare every feature and keep every drawn case."""

@@ -109,3 +109,15 @@ def test_double_backward_runs_the_recorded_pytorch_backward(monkeypatch):
     lses = [l.detach().double().requires_grad_() for l in lses]
     f = lambda *xs: flashport.merge.MergeStates.apply(_merge64, 3, *xs)  # noqa: E731
     assert torch.autograd.gradgradcheck(f, (*outs, *lses), eps=1e-6, atol=1e-7)
+
+
+def test_out_of_memory_in_the_backward_kernel_is_raised_not_retried(monkeypatch):
+    from flashport import merge
+
+    def oom(*a):
+        raise torch.cuda.OutOfMemoryError("CUDA out of memory")
+    monkeypatch.setattr(merge, "_backward_for", lambda o: oom)
+    outs, lses = _parts(torch.float32, empty_rows=False)
+    out, _ = flashport.merge_attention_states(outs, lses)
+    with pytest.raises(torch.cuda.OutOfMemoryError):
+        torch.autograd.grad(out.sum(), outs)

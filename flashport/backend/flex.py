@@ -20,6 +20,8 @@ materialises the scores, the silent O(S^2) fallback flashport never takes.  Prog
 """
 from __future__ import annotations
 
+import contextlib
+
 import functools
 from collections import OrderedDict
 from typing import Optional
@@ -42,11 +44,11 @@ _compiled = []
 RECOMPILE_LIMIT = 64        # distinct mods (compiled graphs) one process may use through this backend
 
 
+@contextlib.contextmanager
 def _dynamo_limits():
     """Dynamo's limits and AOTAutograd's buffer donation for the compiled call.  Donation is off: a donated
     backward raises on `backward(retain_graph=True)` ("compiled with non-empty donated buffers"), which a user
     may call on any flashport output (the bench's backward timing does)."""
-    import contextlib
     import torch._dynamo.config as cfg
     import torch._functorch.config as fcfg
     # specialize_float: under dynamic=True, Dynamo otherwise turns a float the mods close over (the softcap) into
@@ -54,11 +56,11 @@ def _dynamo_limits():
     # at the flex_attention HOP, after which its autograd fails ("all unwrapped values must be FakeTensor").
     patch = {k: v for k, v in (("recompile_limit", RECOMPILE_LIMIT), ("fail_on_recompile_limit_hit", True),
                                 ("specialize_float", True)) if hasattr(cfg, k)}
-    stack = contextlib.ExitStack()
-    stack.enter_context(cfg.patch(**patch))
-    if hasattr(fcfg, "donated_buffer"):
-        stack.enter_context(fcfg.patch(donated_buffer=False))
-    return stack
+    with contextlib.ExitStack() as stack:
+        stack.enter_context(cfg.patch(**patch))
+        if hasattr(fcfg, "donated_buffer"):
+            stack.enter_context(fcfg.patch(donated_buffer=False))
+        yield
 
 
 def _lse_request() -> dict:

@@ -106,8 +106,11 @@ def run(c: dict, backend: str | None = "blockwise", device="cpu") -> dict:
     """-> {"status": "PASS" | "FAIL" | "SKIP", "worst": ratio of error to bound, "problems": [...]}; backend None:
     auto's choice (each case's whole call, its input check included).  An exception other than a declared refusal
     is a FAIL naming it, so one broken case cannot hide the verdicts of the rest."""
+    import flashport
     try:
         return _run(c, backend, device)
+    except flashport.UnsupportedError as e:   # a declared refusal anywhere in the case (the block mask's too)
+        return dict(status="SKIP", worst=0.0, problems=[" ".join(str(e).split())[:300]])
     except Exception as e:   # noqa: BLE001 -- the verdict, not the traceback, is what the fuzz reports
         return dict(status="FAIL", worst=float("inf"), problems=[f"raised {type(e).__name__}: "
                                                                  + " ".join(str(e).split())[:400]])
