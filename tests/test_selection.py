@@ -167,3 +167,23 @@ def test_declarations_are_honest(name, dtype, mk):
     ref = flashport.attention(q.double(), k.double(), v.double(), backend="reference",
                               **{x: kw[x] for x in ("causal", "window_size")})
     torch.testing.assert_close(out.double(), ref, atol=3e-2 if dtype in ("float16", "bfloat16") else 1e-5, rtol=0)
+
+
+def test_every_shipped_table_reads_under_its_own_key():
+    """The tables in flashport/configs (the H200's, the H100's) are of the current format, every bucket name parses,
+    and every backend they name is registered: a table written by a device run and committed must not be ignored as
+    unreadable on the card it was measured on."""
+    import json
+
+    import flashport
+    from flashport import table
+    paths = sorted(table.SHIPPED.glob("selection-*.json"))
+    assert len(paths) >= 2
+    names = {b.name for b in flashport.backends()}
+    for p in paths:
+        doc = json.loads(p.read_text())
+        t, why = table._read(p, doc["key"])
+        assert t is not None, why
+        assert t.buckets and all(table._split(name) for name in t.buckets), p
+        used = {b for entry in t.buckets.values() for role in entry.values() for b in role}
+        assert used <= names, (p, used - names)
