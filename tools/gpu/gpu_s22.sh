@@ -5,8 +5,9 @@
 #          each of the 21st session's changes switched off in turn, its pieces, cross-attention over 77 keys, a
 #          profile, the first failing flex fuzz cases named); the programmable GPU tier, one limit per test
 #   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; the programmable suite, every case and peer
-#   PART=c (FA4 still installed from b): `flashport tune --suite models` with FA4 (the H200's models buckets predate
-#          FA4; the H100's were tuned in the 21st session) and the models auto-vs-best
+#   PART=c (FA4 still installed from b): on an H200 `flashport tune --suite models` with FA4 (its models buckets
+#          predate FA4); on an H100, whose table holds only the models shapes (21st session), the standard suite;
+#          then that suite's auto-vs-best
 #   PART=d, e (no carry): the GPU tier outside the programmable tests, file by file, with the limits a fresh machine
 #          needed in the 21st session (compile 50 s, hopper_fwd 50, hopper_bwd 47, operability 51, triton 76)
 SESSION=s22; . "$(dirname "$0")/session.sh"
@@ -39,11 +40,12 @@ b)
 c)
   fa4_env
   mkdir -p "$R/autobest"
+  SUITE=models; grep -q "H100" "$R/card.txt" && SUITE=standard
   cp "$TABLE" "$R/table_before.json" 2>/dev/null
-  timeout ${TUNE_SECONDS:-200} python -m flashport tune --suite models --rounds 2 --out "$TABLE" > "$R/tune.log" 2>&1
-  echo "tune rc=$?"; grep -v "Warning\|warn" "$R/tune.log" | tail -10
+  timeout ${TUNE_SECONDS:-240} python -m flashport tune --suite $SUITE --rounds 2 --out "$TABLE" > "$R/tune.log" 2>&1
+  echo "tune $SUITE rc=$?"; grep -v "Warning\|warn" "$R/tune.log" | tail -10
   cp "$TABLE" "$R/table_after.json"; save
-  timeout ${AUTO_SECONDS:-160} python -m flashport bench --suite models --auto-vs-best --rounds 3 \
+  timeout ${AUTO_SECONDS:-200} python -m flashport bench --suite $SUITE --auto-vs-best --rounds 3 \
       --out "$R/autobest" > "$R/autobest/bench.log" 2>&1
   echo "auto-vs-best rc=$?"; grep -v "Warning\|warn" "$R/autobest/bench.log" | tail -4
   ;;
