@@ -28,27 +28,29 @@ def attention(q, k, v, *, right: int, softmax_scale: float, softcap: float, dete
     grads = torch.is_grad_enabled() and any(t.requires_grad for t in (q, k, v))
     if not grads or k.shape[1] > MAX_KEYS or not env.flag("FLASHPORT_FEW_KEYS_DENSE_BWD"):
         return kernels(q, k, v, **kw)
-    return FewKeys.apply(q, k, v, right, softmax_scale, softcap, kw)
+    return FewKeys.apply(q, k, v, kw)
 
 
 class FewKeys(torch.autograd.Function):
+    """The kernels' call `kw` forward; dense_backward with its window's right bound, scale and softcap."""
+
     @staticmethod
-    def forward(q, k, v, right, scale, softcap, kw):
+    def forward(q, k, v, kw):
         from .api import attention as kernels
         return kernels(q, k, v, **kw)
 
     @staticmethod
     def setup_context(ctx, inputs, output):
-        q, k, v, right, scale, softcap, _ = inputs
+        q, k, v, ctx.kw = inputs
         ctx.save_for_backward(q, k, v, output[1])
-        ctx.right, ctx.scale, ctx.softcap = right, scale, softcap
 
     @staticmethod
     def backward(ctx, dout, dlse):
         q, k, v, lse = ctx.saved_tensors
-        dq, dk, dv = dense_backward(q, k, v, lse, dout, dlse, right=ctx.right, scale=ctx.scale,
-                                    softcap=ctx.softcap)
-        return dq, dk, dv, None, None, None, None
+        kw = ctx.kw
+        dq, dk, dv = dense_backward(q, k, v, lse, dout, dlse, right=kw["window_size"][1],
+                                    scale=kw["softmax_scale"], softcap=kw["softcap"])
+        return dq, dk, dv, None
 
 
 def dense_backward(q, k, v, lse, dout, dlse, *, right: int, scale: float, softcap: float):

@@ -21,7 +21,6 @@ materialises the scores, the silent O(S^2) fallback flashport never takes.  Prog
 from __future__ import annotations
 
 import contextlib
-
 import functools
 from collections import OrderedDict
 from typing import Optional

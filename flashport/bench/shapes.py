@@ -129,9 +129,9 @@ def models() -> list[Shape]:
 
 def workloads() -> list[Shape]:
     """Shapes of the kinds real models train and serve with (issue [8]): GQA training, sliding windows,
-    head dims that are not powers of two, MLA's D=192 / Dv=128, D=256, cross-attention over a short context.  Varlen packing, chunked prefill and
-    ragged paged decode as their own kinds ("varlen", "chunked": attention_with_kvcache with Sq > 1, "decode"
-    with ragged lengths)."""
+    head dims that are not powers of two, MLA's D=192 / Dv=128, D=256, cross-attention over a short context.
+    Varlen packing, chunked prefill and ragged paged decode as their own kinds ("varlen", "chunked":
+    attention_with_kvcache with Sq > 1, "decode" with ragged lengths)."""
     return [
         Shape("llama3-8b-train", 4, 4096, 4096, 32, 8, 128, causal=True),
         Shape("mistral-7b-swa", 1, 16384, 16384, 32, 8, 128, causal=True, window=4096),

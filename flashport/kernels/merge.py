@@ -193,11 +193,15 @@ def merge_states_triton(outs, lses):
     lse = torch.empty(bsz, hq, sq, dtype=torch.float32, device=o0.device)
     if out.numel() == 0:  # nothing to launch for; the PyTorch merge handles empty shapes
         return merge_states_torch(outs, lses)
-    o_parts = torch.stack([o if o.stride(-1) == 1 else o.contiguous() for o in outs])
+    o_parts = _stacked(outs)
     with device_guard(out.device):
         merge_partials(o_parts, torch.stack(lses), out, lse)
     return out, lse
 
+
+def _stacked(outs) -> torch.Tensor:
+    """The parts' outputs as one [P, B, Sq, Hq, Dv] tensor with a unit-stride last dim (the kernels' layout)."""
+    return torch.stack([o if o.stride(-1) == 1 else o.contiguous() for o in outs])
 
 
 def merge_backward_triton(outs, lses, lse, dout, dlse, tile_elems: int = TILE_ELEMS):
@@ -205,7 +209,7 @@ def merge_backward_triton(outs, lses, lse, dout, dlse, tile_elems: int = TILE_EL
     buffer.  outs [B, Sq, Hq, Dv] in one dtype (float16 / bfloat16 / float32), lses and lse [B, Hq, Sq] float32,
     dlse None or like lse."""
     n = len(outs)
-    o_parts = torch.stack([o if o.stride(-1) == 1 else o.contiguous() for o in outs])
+    o_parts = _stacked(outs)
     lse_parts = torch.stack(lses)
     d_o, d_lse = torch.empty_like(o_parts), torch.empty_like(lse_parts)    # the parts' strides, as the kernel assumes
     dout = dout if dout.stride(-1) == 1 else dout.contiguous()
@@ -220,5 +224,6 @@ def merge_backward_triton(outs, lses, lse, dout, dlse, tile_elems: int = TILE_EL
                 *o_parts.stride()[:4], *lse_parts.stride(), *lse.stride(), *dout.stride()[:3],
                 n, sq, hq, **meta, HAS_DLSE=dlse is not None)
     else:
-        d_o.zero_(), d_lse.zero_()
+        d_o.zero_()
+        d_lse.zero_()
     return list(d_o.unbind(0)), list(d_lse.unbind(0))

@@ -17,15 +17,7 @@ TABLE=$(python -c "import torch; from flashport import table; print(table.shippe
 case "$PART" in
 a)
   fa4_step1
-  mkdir -p "$R/tier"
-  # seconds per file (the fuzz counts capped by FLASHPORT_FUZZ_N / FLASHPORT_COMPILED_FUZZ_N)
-  for spec in compile:40 contents:40 decode:40 hopper_fwd:60 hopper_bwd:60 operability:60 triton:100 fuzz:110; do
-    f=${spec%%:*}
-    FLASHPORT_FUZZ_N=${FUZZ_N:-100} FLASHPORT_COMPILED_FUZZ_N=${COMPILED_N:-40} \
-        timeout ${spec##*:} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
-        tests/gpu/test_${f}_gpu.py > "$R/tier/$f.log" 2>&1
-    echo "$f rc=$? $(grep -E '[0-9]+ (passed|failed)' "$R/tier/$f.log" | tail -1)"; save
-  done
+  tier compile:40 contents:40 decode:40 hopper_fwd:60 hopper_bwd:60 operability:60 triton:100 fuzz:110
   ;;
 b)
   fa4_step2

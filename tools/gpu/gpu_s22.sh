@@ -12,16 +12,6 @@
 #          needed in the 21st session (compile 50 s, hopper_fwd 50, hopper_bwd 47, operability 51, triton 76)
 SESSION=s22; . "$(dirname "$0")/session.sh"
 TABLE=$(python -c "import torch; from flashport import table; print(table.shipped_path(torch.device('cuda')))")
-tier() {   # the GPU tier files "name:seconds ..." with their fuzz counts capped
-  mkdir -p "$R/tier"
-  for spec in "$@"; do
-    f=${spec%%:*}
-    FLASHPORT_FUZZ_N=${FUZZ_N:-100} FLASHPORT_COMPILED_FUZZ_N=${COMPILED_N:-40} \
-        timeout ${spec##*:} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
-        tests/gpu/test_${f}_gpu.py > "$R/tier/$f.log" 2>&1
-    echo "$f rc=$? $(grep -E '[0-9]+ (passed|failed)' "$R/tier/$f.log" | tail -1)"; save
-  done
-}
 case "$PART" in
 a)
   fa4_step1

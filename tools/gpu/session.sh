@@ -4,6 +4,7 @@
 #   fa4_step1   FA4's first half (carried as .fa4a): the compiled IR library, unpacked into /tmp/fa4
 #   fa4_step2   its second half (.fa4b, within 30 s on the same warm machine): installs it and puts it on PYTHONPATH
 #   fa4_env     a later call on that machine: puts the installed FA4 on PYTHONPATH again
+#   tier NAME:SECONDS ...   GPU-tier files (tests/gpu/test_NAME_gpu.py), one limit and log each, in $R/tier
 #   programmable_tier SECONDS   issue [15]'s GPU tier (tests/gpu/test_programmable_gpu.py, fuzz counts MODS_N /
 #               FLEX_N / TRITON_N), one time limit and log per test in $R/programmable_gpu/, failing cases printed
 set -uo pipefail
@@ -25,6 +26,17 @@ fa4_env() {   # a later call on the same warm machine: FA4 is still unpacked und
 fa4_step2() {
   bash .fa4b/install.sh 2>&1 | tail -3 | tee "$R/fa4_install.log"
   fa4_env
+}
+tier() {   # GPU tier files "name:seconds ...", each with its own limit and log in $R/tier (fuzz counts FUZZ_N / COMPILED_N)
+  mkdir -p "$R/tier"
+  local spec f
+  for spec in "$@"; do
+    f=${spec%%:*}
+    FLASHPORT_FUZZ_N=${FUZZ_N:-100} FLASHPORT_COMPILED_FUZZ_N=${COMPILED_N:-40} \
+        timeout ${spec##*:} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
+        tests/gpu/test_${f}_gpu.py > "$R/tier/$f.log" 2>&1
+    echo "$f rc=$? $(grep -E '[0-9]+ (passed|failed)' "$R/tier/$f.log" | tail -1)"; save
+  done
 }
 programmable_tier() {   # SECONDS for the whole tier, shared out per test (a slow one cannot hide the others' verdicts)
   local t=tests/gpu/test_programmable_gpu.py total=$1
