@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from . import few_keys, monitor, ops, plan_cache, serve
+from . import monitor, ops, plan_cache, serve
 from .merge import MergeStates, merge_states_torch, validate_states
 from .programmable import builtin_documents, builtin_prefix, builtin_sinks
 from .spec import dense_spec, kvcache_inputs, kvcache_spec, varlen_spec
@@ -77,17 +77,14 @@ def _sinks_as_two_calls(q, k, v, w, n, spec, deterministic, return_lse):
     the first n keys up to i) as two built-in calls merged by their lse: the window, and the sink keys the window
     does not reach (keys j < m = min(n, S - w - 1) with j <= i - w - 1: bottom-right, a right bound of
     S - m - w - 1).  The key sets are disjoint, so the merge is exact (merge_attention_states, in float32 with the
-    float32 lse: float64 calls keep the mods).  The sinks' call goes through few_keys, whose dense backward
-    (FLASHPORT_FEW_KEYS_DENSE_BWD=1) awaits its GPU timing.  No ALiBi: the sinks' call would measure
-    distances from its own diagonal."""
+    float32 lse: float64 calls keep the mods).  No ALiBi: the sinks' call would measure distances from its own
+    diagonal."""
     s = q.shape[1]
     kw = dict(softmax_scale=spec.softmax_scale, softcap=spec.softcap, deterministic=deterministic, return_lse=True)
     out, lse = attention(q, k, v, window_size=(w, 0), **kw)
     m = min(n, s - w - 1)
     if m > 0:
-        out_s, lse_s = few_keys.attention(q, k[:, :m], v[:, :m], right=s - m - w - 1,
-                                          softmax_scale=spec.softmax_scale, softcap=spec.softcap,
-                                          deterministic=deterministic)
+        out_s, lse_s = attention(q, k[:, :m], v[:, :m], window_size=(-1, s - m - w - 1), **kw)
         out, lse = merge_attention_states([out, out_s], [lse, lse_s])
     return (out, lse) if return_lse else out
 

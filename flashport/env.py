@@ -44,9 +44,6 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_BWD_Q_CHUNKS", "auto", "the Triton dK/dV kernel's programs per K/V tile, each over its own run "
                                             "of Q tiles: 'auto' splits only where few key tiles leave SMs idle "
                                             "(kernels/attn_bwd.q_chunks); N forces N (tests, A/B)"),
-    Switch("FLASHPORT_FEW_KEYS_DENSE_BWD", "0", "1: the sink tokens' call of a window with sinks takes the dense "
-                                                "float32 backward of flashport/few_keys.py instead of the kernels' "
-                                                "(off until measured: PERFLOG row 74)"),
     Switch("FLASHPORT_CPU_COMPILE", "auto", "blockwise on a CPU: 'auto' compiles its tile steps (torch.compile) for "
                                              "calls of >= 2^25 scores, '1' always, '0' never"),
     Switch("FLASHPORT_TABLE", "", "path of an auto-selection table to use instead of the cache's or the shipped one; "

@@ -45,9 +45,9 @@ RECOMPILE_LIMIT = 64        # distinct mods (compiled graphs) one process may us
 
 @contextlib.contextmanager
 def _dynamo_limits():
-    """Dynamo's limits and AOTAutograd's buffer donation for the compiled call.  Donation is off: a donated
-    backward raises on `backward(retain_graph=True)` ("compiled with non-empty donated buffers"), which a user
-    may call on any flashport output (the bench's backward timing does)."""
+    """Dynamo's limits for the compiled call, and AOTAutograd's buffer donation off: a donated backward raises on
+    `backward(retain_graph=True)` ("compiled with non-empty donated buffers"), which a user may call on any
+    flashport output (the bench's backward timing does)."""
     import torch._dynamo.config as cfg
     import torch._functorch.config as fcfg
     # specialize_float: under dynamic=True, Dynamo otherwise turns a float the mods close over (the softcap) into
@@ -55,10 +55,19 @@ def _dynamo_limits():
     # at the flex_attention HOP, after which its autograd fails ("all unwrapped values must be FakeTensor").
     patch = {k: v for k, v in (("recompile_limit", RECOMPILE_LIMIT), ("fail_on_recompile_limit_hit", True),
                                 ("specialize_float", True)) if hasattr(cfg, k)}
+    # Donation is switched off for the whole process, not inside this call only: torch 2.11 compiles the backward
+    # lazily, at the first backward, reading the global flag then (the 22nd session's GPU probe: patched inside
+    # the call, the second backward still raised; off process-wide, both backwards agree bit for bit).  It costs a
+    # compiled backward the memory of buffers it could have reused, nothing else.
+    if getattr(fcfg, "donated_buffer", False):
+        fcfg.donated_buffer = False
+    # use_duck_shape off: Dynamo otherwise equates sizes that happen to be equal at the first compile (2 key
+    # blocks at S=256 and batch 2, the 22nd session's GPU tier) and recompiles when they part.
+    import torch.fx.experimental._config as fxcfg
     with contextlib.ExitStack() as stack:
         stack.enter_context(cfg.patch(**patch))
-        if hasattr(fcfg, "donated_buffer"):
-            stack.enter_context(fcfg.patch(donated_buffer=False))
+        if hasattr(fxcfg, "use_duck_shape"):
+            stack.enter_context(fxcfg.patch(use_duck_shape=False))
         yield
 
 
@@ -89,6 +98,17 @@ def _flex():
         from torch.nn.attention.flex_attention import flex_attention
         _compiled.append(torch.compile(flex_attention, dynamic=True))
     return _compiled[0]
+
+
+def _compile_failure(e: BaseException) -> bool:
+    """Inductor found no kernel for this call (Flex's templates refuse some tile / dtype / mod combinations:
+    "NoValidChoicesError" in the 22nd session's GPU fuzz), as opposed to a wrong input or a failing kernel."""
+    try:
+        from torch._dynamo.exc import BackendCompilerFailed
+        from torch._inductor.exc import InductorError
+    except ImportError:
+        return False
+    return isinstance(e, (BackendCompilerFailed, InductorError))
 
 
 def _score_mod(spec: AttnSpec, inputs: AttnInputs, lengths: tuple):
@@ -234,9 +254,16 @@ class FlexBackend(dispatch.Backend):
         # Each distinct mod is one more compiled graph.  Past Dynamo's recompile limit, compiled Flex would fall
         # back to eager Flex, which materialises the scores: FlexAttention's known silent O(S^2) failure.  A
         # larger limit for this call, and an error instead of that fallback.
-        with _dynamo_limits():
-            out, aux = _flex()(q, k, v, score_mod=_score_mod(spec, inputs, lengths),
-                               block_mask=_block_mask(spec, inputs, lengths), scale=spec.softmax_scale,
-                               enable_gqa=spec.heads_q != spec.heads_kv, kernel_options=_kernel_options(inputs),
-                               **_lse_request())
+        try:
+            with _dynamo_limits():
+                out, aux = _flex()(q, k, v, score_mod=_score_mod(spec, inputs, lengths),
+                                   block_mask=_block_mask(spec, inputs, lengths), scale=spec.softmax_scale,
+                                   enable_gqa=spec.heads_q != spec.heads_kv,
+                                   kernel_options=_kernel_options(inputs), **_lse_request())
+        except Exception as e:
+            if not _compile_failure(e):
+                raise
+            first = str(e).strip().splitlines()[0][:300] if str(e).strip() else type(e).__name__
+            raise dispatch.UnsupportedError(f"backend 'flex': FlexAttention's compiler built no kernel for this "
+                                            f"call ({type(e).__name__}: {first})") from e
         return out.transpose(1, 2), getattr(aux, "lse", aux)

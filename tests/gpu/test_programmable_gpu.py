@@ -5,6 +5,7 @@ length does not recompile; auto picks the compiled mods (triton), and blockwise 
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 import torch
@@ -25,12 +26,14 @@ N_TRITON = int(os.environ.get("FLASHPORT_MODS_FUZZ_N_TRITON", "100"))
 def test_mods_fuzz_on_cuda(backend):
     # auto (None): the compiled mods where they compile, blockwise where the generator refuses
     n = {"flex": N_FLEX, "triton": N_TRITON, None: N_TRITON}.get(backend, N)
-    results = []
+    results, start = [], time.perf_counter()
     for i in range(n):
         case = fuzz_mods.draw(20261206, i)
         results.append(fuzz_mods.run(case, backend, "cuda"))
         if results[-1]["status"] == "FAIL":   # at once (with -s): a run cut at its time limit still names it
             print(f"FAIL {backend} case {i}: {case} -> {results[-1]['problems']}", flush=True)
+        if (i + 1) % 10 == 0:                 # and how far it got: each new mod structure is a compile
+            print(f"{backend}: {i + 1}/{n} cases in {time.perf_counter() - start:.0f} s", flush=True)
     fails = [(i, r["problems"]) for i, r in enumerate(results) if r["status"] == "FAIL"]
     passed = sum(r["status"] == "PASS" for r in results)
     print(f"{backend}: {passed} PASS, {len(fails)} FAIL, {n - passed - len(fails)} SKIP")
@@ -48,6 +51,7 @@ def test_flex_does_not_recompile_for_new_lengths():
         out.float().sum().backward()
     step(256)
     before = counters["stats"]["unique_graphs"]
+    torch._logging.set_logs(recompiles=True)   # a failure prints the guard that failed
     for s in (384, 512, 1000):
         step(s)
     assert counters["stats"]["unique_graphs"] == before

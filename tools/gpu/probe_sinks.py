@@ -1,8 +1,8 @@
 """Where the window + sinks call's time goes, and what the 21st session's changes do to it (issue [15], PERFLOG rows
-74, 76, 77), on the programmable suite's shape (B=2, H=16, S=16384, D=128, bf16, window 2048 + 4 sinks):
+76, 77), on the programmable suite's shape (B=2, H=16, S=16384, D=128, bf16, window 2048 + 4 sinks):
 
 - the whole call with each change switched off in turn (FLASHPORT_BWD_Q_CHUNKS=1: one dK/dV program per key tile;
-  the merge's PyTorch backward instead of its kernel; FLASHPORT_FEW_KEYS_DENSE_BWD=1: the sinks' dense backward);
+  the merge's PyTorch backward instead of its kernel);
 - its pieces alone: the window call with its lse, the sinks' call over 4 keys, the merge;
 - cross-attention over a short context (Sq = 4096, Sk = 77, B = 2, H = 8, D = 64), Q chunks auto and 1;
 - one training step under torch.profiler (kernels by CUDA time);
@@ -20,7 +20,7 @@ from contextlib import contextmanager
 import torch
 
 import flashport
-from flashport import few_keys, merge, mods
+from flashport import merge, mods
 from flashport.bench.timing import gpu_ms
 
 
@@ -73,8 +73,6 @@ def sinks(out, s=16384, w=2048, n=4):
          {"FLASHPORT_BWD_Q_CHUNKS": "1"}, False),
         ("whole call, the merge's PyTorch backward (row 76 off)", whole, on_out, {}, True),
         ("whole call, both off (the 20th session's code)", whole, on_out, {"FLASHPORT_BWD_Q_CHUNKS": "1"}, True),
-        ("whole call, the sinks' dense backward (row 74 on)", whole, on_out,
-         {"FLASHPORT_FEW_KEYS_DENSE_BWD": "1"}, False),
         ("window alone, no lse", lambda: flashport.attention(q, k, v, window_size=(w, 0)), on_out, {}, False),
         ("window with lse (grads into out and lse)",
          lambda: flashport.attention(q, k, v, window_size=(w, 0), return_lse=True), on_both, {}, False),
@@ -83,9 +81,6 @@ def sinks(out, s=16384, w=2048, n=4):
         ("sinks' call, 4 keys, one program per key tile", lambda: flashport.attention(
             q, k[:, :n], v[:, :n], window_size=(-1, right), return_lse=True), on_both,
          {"FLASHPORT_BWD_Q_CHUNKS": "1"}, False),
-        ("sinks' call, 4 keys, dense backward", lambda: few_keys.attention(
-            q, k[:, :n], v[:, :n], right=right, softmax_scale=128 ** -0.5, softcap=0.0, deterministic=False),
-         on_both, {"FLASHPORT_FEW_KEYS_DENSE_BWD": "1"}, False),
     ]
     for name, fn, loss, env, torch_bwd in pieces:
         with setting(env, torch_bwd):
