@@ -37,6 +37,12 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_ALLOW_UNTESTED_TRITON", "0", "1: try the Triton kernels on a Triton release they were not tested on"),
     Switch("FLASHPORT_HOPPER_FWD", "1", "0: the gluon backend refuses forwards (rollback switch for the Hopper forward)"),
     Switch("FLASHPORT_HOPPER_BWD", "1", "0: the gluon backend refuses backwards (rollback switch for the Hopper backward)"),
+    Switch("FLASHPORT_HOPPER_FWD_WINDOW", "0", "1: the Hopper forward serves sliding windows (Sq == Sk; key tiles "
+                                               "outside the band skipped), which the Triton kernel serves otherwise "
+                                               "(off until a GPU run checks and times it: PERFLOG row 79)"),
+    Switch("FLASHPORT_HOPPER_BWD_WINDOW", "0", "1: the Hopper backward serves sliding windows (Sq == Sk; tiles outside "
+                                               "the band skipped), which the Triton kernels serve otherwise (off until "
+                                               "a GPU run checks and times it: PERFLOG row 78)"),
     Switch("FLASHPORT_GQA_GROUP_LOOP", "0", "1: the Triton dK/dV kernel loops over a GQA group's query heads in one "
                                             "program (K, V read once; no float32 partials to sum)"),
     Switch("FLASHPORT_CAP_GRAD_SUMS", "1", "0: the Triton kernels add captured tensors' gradients element by element "

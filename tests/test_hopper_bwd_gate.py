@@ -90,9 +90,9 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, bwd):
     lse = torch.zeros(1, 2, 256)
     with pytest.warns(RuntimeWarning, match="failed to compile"):
         assert bwd.backward(spec, q, q, q, q, q, lse, lse) is None
-    assert "ptxas: unsupported" in bwd.broken[(torch.bfloat16, 128, True, q.device)]
+    assert "ptxas: unsupported" in bwd.broken[(torch.bfloat16, 128, "causal", q.device)]
     gpu_spec, gq, gk = _spec(causal=True)
-    bwd.broken[(gpu_spec.dtype, 128, True, gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
+    bwd.broken[(gpu_spec.dtype, 128, "causal", gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
     monkeypatch.setattr(bwd, "enabled", lambda: True)
     assert "failed to compile" in bwd.reasons(gpu_spec, gq, gk, gk, gq)[0]
     monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))
@@ -139,3 +139,28 @@ def test_default_variants_compile_for_sm90a(tmp_path):
         assert r["max_register_used"] <= attn_bwd_hopper.CONSUMER_REGS, r["max_register_used"]
         assert r["shared_bytes"] <= 232448, r["shared_bytes"]
         assert r["stack_bytes"] <= 64, (r["d"], r["dtype"], r["gqa"], r["causal"], r["stack_bytes"])
+
+
+def test_windows_pass_the_gate_only_behind_their_switch_and_with_sq_equal_sk(monkeypatch, bwd):
+    """FLASHPORT_HOPPER_BWD_WINDOW=1 opens the gate to sliding windows with Sq == Sk (the kernel's WINDOW
+    variant); off, or with Sq != Sk, they stay with the Triton kernels."""
+    if bwd.gluon is None:
+        pytest.skip("Gluon not installed")
+    monkeypatch.setattr(bwd, "enabled", lambda: True)
+    monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))
+    windows = (dict(window=(256, 0)), dict(window=(-1, 64)), dict(window=(100, 37), d=64, hq=8, hkv=2),
+               dict(window=(17, 3), s=300))
+    for kw in windows:
+        spec, q, k = _spec(**kw)
+        assert "window" in bwd.reasons(spec, q, k, k, q)[0], kw
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_WINDOW", "1")
+    for kw in windows:
+        spec, q, k = _spec(**kw)
+        assert bwd.reasons(spec, q, k, k, q) == [], kw
+    spec, q, k = _spec(window=(256, 0), s=512, sk=1024)
+    assert "Sq == Sk" in bwd.reasons(spec, q, k, k, q)[0]
+    # the bounds the kernel reads: an unbounded side reaches every key
+    spec, _, _ = _spec(window=(-1, 64))
+    assert bwd.window_bounds(spec) == (2048, 64)
+    spec, _, _ = _spec(causal=True)
+    assert bwd.window_bounds(spec) == (0, 0)

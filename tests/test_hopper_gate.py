@@ -131,9 +131,9 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, d, on_h
                          alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
     with pytest.warns(RuntimeWarning, match="failed to compile"):
         assert attn_fwd_hopper.forward(spec, q, q, q) is None
-    assert "ptxas: unsupported" in attn_fwd_hopper.broken[(torch.bfloat16, d, True, q.device)]
+    assert "ptxas: unsupported" in attn_fwd_hopper.broken[(torch.bfloat16, d, "causal", q.device)]
     gpu_spec, gq, gk, gv = _spec(d=d, causal=True, s=16384)   # above every floor
-    attn_fwd_hopper.broken[(gpu_spec.dtype, d, True, gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
+    attn_fwd_hopper.broken[(gpu_spec.dtype, d, "causal", gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
     assert "failed to compile" in attn_fwd_hopper.reasons(gpu_spec, gq, gk, gv)[0]
     gpu_spec, gq, gk, gv = _spec(d=128, causal=True)
     assert attn_fwd_hopper.reasons(gpu_spec, gq, gk, gv) == []         # another head dim is unaffected
@@ -174,3 +174,19 @@ def test_ab_variants_parse_into_tile_table_entries():
     for bad in ("64:128:6", "64:128:6:240:1:0", "d:128:6:240"):
         with pytest.raises(Exception, match="D:BLOCK_N:STAGES:REGS"):
             ab.parse_variant(bad)
+
+
+def test_windows_pass_the_gate_only_behind_their_switch_and_with_sq_equal_sk(monkeypatch, on_hopper):
+    """FLASHPORT_HOPPER_FWD_WINDOW=1 opens the forward's gate to sliding windows with Sq == Sk (its WINDOW
+    variant); off, or with Sq != Sk, they stay with the Triton kernel."""
+    windows = (dict(window=(256, 0)), dict(window=(-1, 64)), dict(window=(100, 37), d=64, s=16384),
+               dict(window=(17, 3), d=256, hq=8, hkv=2))
+    for kw in windows:
+        spec, q, k, v = _spec(**kw)
+        assert "window" in on_hopper.reasons(spec, q, k, v)[0], kw
+    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_WINDOW", "1")
+    for kw in windows:
+        spec, q, k, v = _spec(**kw)
+        assert on_hopper.reasons(spec, q, k, v) == [], kw
+    spec, q, k, v = _spec(window=(256, 0), s=4096, sk=8192)
+    assert "Sq == Sk" in on_hopper.reasons(spec, q, k, v)[0]

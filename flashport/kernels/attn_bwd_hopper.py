@@ -25,7 +25,9 @@ One program per (128-row K/V tile n, query head h, batch entry b); grid (Sk / 12
   ds is double-buffered: a warpgroup rewrites ds[i % 2] at step i + 2 only after waiting on ds_ready of
   step i + 1, which the other warpgroup signals after its dQ matmul of step i (the last reader) retired.
 Causal (Sq == Sk): K/V tile n meets Q tiles 2n, 2n + 1 (masked) and the unmasked ones after; lower n
-has more work, so programs start with n = 0.  GQA: dK / dV are written as float32 partials per query
+has more work, so programs start with n = 0.  Sliding windows (WINDOW, behind FLASHPORT_HOPPER_BWD_WINDOW=1
+until a GPU run checks them; Sq == Sk): K/V tile n walks only the Q tiles whose rows see one of its keys
+(_q_tiles), and a warpgroup masks a tile only where it crosses the band's edge for its 64 keys.  GQA: dK / dV are written as float32 partials per query
 head and summed per group afterwards (as attn_bwd.py); dQ accumulates per query head.
 
 Equivalent PyTorch math (per batch entry and query head, s = softmax_scale, K/V of head h // G):
@@ -52,7 +54,7 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from .attn_fwd_hopper import _capability, _descriptor, feature_reasons, is_causal  # shared with the forward
+from .attn_fwd_hopper import _capability, _descriptor, feature_reasons, window_bounds  # shared with the forward
 from .. import env
 from .launch import DirectLauncher
 from .versions import is_tested, tested_text
@@ -117,7 +119,7 @@ def spec_reasons(spec) -> list[str]:
         return ["dense CUDA tensors only"]
     if spec.deterministic:
         return ["deterministic=True: dQ is summed in scheduling order here (the Triton kernels are reproducible)"]
-    plain = feature_reasons(spec)
+    plain = feature_reasons(spec, windows=env.flag("FLASHPORT_HOPPER_BWD_WINDOW"))
     if plain:
         return plain
     if min(spec.seqlen_q, spec.seqlen_k) < BLOCK_N:
@@ -128,8 +130,9 @@ def spec_reasons(spec) -> list[str]:
         return ["sequence length * head dim must fit in int32 (per-head offsets are 32-bit)"]
     if not enabled():
         return [f"Gluon (Triton {tested_text()}) unavailable or FLASHPORT_HOPPER_BWD=0"]
-    if (spec.dtype, spec.head_dim, is_causal(spec), spec.device) in broken:
-        return ["failed to compile here: " + broken[(spec.dtype, spec.head_dim, is_causal(spec), spec.device)]]
+    failed = broken.get((spec.dtype, spec.head_dim, spec.visibility.kind, spec.device))
+    if failed:
+        return ["failed to compile here: " + failed]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return ["needs an sm_90 (Hopper) GPU"]
     return []
@@ -151,14 +154,20 @@ if gluon is not None:
     # partition reads them off its shared-memory descriptors.
 
     @gluon.jit
-    def _q_tiles(seqlen_q, CAUSAL: gl.constexpr, RAGGED: gl.constexpr):
-        """(first Q tile, number of Q tiles) of this program's K/V tile."""
+    def _q_tiles(seqlen_q, win_left, win_right, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                 RAGGED: gl.constexpr):
+        """(first Q tile, number of Q tiles) of this program's K/V tile: the Q tiles with a row that sees one of
+        its keys (Sq == Sk for CAUSAL and WINDOW: key kv is seen by rows kv - win_right .. kv + win_left)."""
         j0 = 0
         if CAUSAL:
             j0 = gl.program_id(0) * (_BLOCK_N // _BLOCK_M)   # Sq == Sk: the diagonal's first Q tile
         n_tiles = seqlen_q // _BLOCK_M
         if RAGGED:
             n_tiles = (seqlen_q + _BLOCK_M - 1) // _BLOCK_M
+        if WINDOW:
+            n0 = gl.program_id(0) * _BLOCK_N
+            j0 = gl.maximum(n0 - win_right, 0) // _BLOCK_M
+            n_tiles = gl.minimum((n0 + _BLOCK_N - 1 + win_left) // _BLOCK_M + 1, n_tiles)
         return j0, n_tiles - j0
 
     @gluon.jit
@@ -201,7 +210,8 @@ if gluon is not None:
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, do_ready,
                   qdo_empty, dq_smem, dq_bars, dq_desc, stat_smem, lse_ptr, delta_ptr, sm_scale, seqlen_q, seqlen_k,
-                  group, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr):
+                  group, win_left, win_right, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                  DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr):
         """TMA issue: K and V once, then Q_j / dO_j into stage i % STAGES once both consumers freed it, with
         Q_j's lse2 and Delta rows into stat_smem (plain loads and stores: 512 bytes per tile).  Also dQ_j's
         reduce-adds (_drain_dq), for tile i - STAGES right after issuing tile i: the qdo_empty wait just
@@ -216,7 +226,7 @@ if gluon is not None:
         kv_row = b * seqlen_k + gl.program_id(0) * _BLOCK_N
         tma.async_copy_global_to_shared(k_desc, [kv_row, (h // group) * HEAD_DIM], kv_ready, k_smem)
         tma.async_copy_global_to_shared(v_desc, [kv_row, (h // group) * HEAD_DIM], kv_ready, v_smem)
-        j0, n_iter = _q_tiles(seqlen_q, CAUSAL, RAGGED)
+        j0, n_iter = _q_tiles(seqlen_q, win_left, win_right, CAUSAL, WINDOW, RAGGED)
         q_row = b * seqlen_q + j0 * _BLOCK_M
         stats_row = pid_bh.to(gl.int64) * _stats_len(seqlen_q, RAGGED)
         vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
@@ -244,8 +254,9 @@ if gluon is not None:
 
     @gluon.jit
     def _step(i, j, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
-              dq_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale, sm_scale, WG: gl.constexpr,
-              MASK: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr):
+              dq_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale, sm_scale, win_left, win_right,
+              WG: gl.constexpr, MASK: gl.constexpr, WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr,
+              RAGGED: gl.constexpr):
         """Q tile j (the i-th of this program): dK, dV updated, this warpgroup's half of dQ_j handed to the
         producer through dq_smem."""
         dtype: gl.constexpr = q_smem.dtype
@@ -276,6 +287,14 @@ if gluon is not None:
         if MASK:
             if i < 2:
                 s_t = gl.where(cols[None, :] >= kv_rows[:, None], s_t, float("-inf"))
+        # Window (Sq == Sk): key kv visible to row q iff q - win_left <= kv <= q + win_right, masked at run time
+        # only on the tiles that cross the band's edges for this warpgroup's 64 keys.
+        if WINDOW:
+            q0 = j * _BLOCK_M
+            kv0 = gl.program_id(0) * _BLOCK_N + WG * _WG_N
+            if (kv0 + win_left < q0 + _BLOCK_M - 1) | (kv0 + _WG_N - 1 > q0 + win_right):
+                seen = (kv_rows[:, None] + win_left >= cols[None, :]) & (kv_rows[:, None] <= cols[None, :] + win_right)
+                s_t = gl.where(seen, s_t, float("-inf"))
         # Ragged Sk: rows of this K/V tile past Sk (the next batch entry's keys, or TMA's zero fill) get P = 0,
         # so their dS column adds nothing to dQ.  Only a batch entry's last tile reaches past Sk.
         if RAGGED:
@@ -315,9 +334,9 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
-                  dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
-                  WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, DQ_BUFS: gl.constexpr,
-                  RAGGED: gl.constexpr):
+                  dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale, win_left,
+                  win_right, WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                  DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr):
         """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, D]."""
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -335,12 +354,12 @@ if gluon is not None:
         k_half = k_smem.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
         dk = gl.zeros([_WG_N, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([_WG_N, HEAD_DIM], gl.float32, acc_layout)
-        j0, n_iter = _q_tiles(seqlen_q, CAUSAL, RAGGED)
+        j0, n_iter = _q_tiles(seqlen_q, win_left, win_right, CAUSAL, WINDOW, RAGGED)
         mbarrier.wait(kv_ready, 0)
         for i in range(n_iter):
             dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
                            qdo_empty, ds_ready, dq_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale,
-                           sm_scale, WG, CAUSAL, DQ_BUFS, RAGGED)
+                           sm_scale, win_left, win_right, WG, CAUSAL, WINDOW, DQ_BUFS, RAGGED)
 
         # Epilogue: dK, dV rows of query head h into [B, Sk, Hq, D]: dk / dv themselves without GQA, else
         # float32 partials.  Hq is a compile-time constant: with constant row strides the per-thread offsets
@@ -361,8 +380,9 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
-                         seqlen_k, group, qk_scale, sm_scale, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr,
-                         STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr):
+                         seqlen_k, group, qk_scale, sm_scale, win_left, win_right, HEADS_Q: gl.constexpr,
+                         CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
+                         RAGGED: gl.constexpr):
         """q_desc / do_desc: [BLOCK_M, D] blocks; k_desc / v_desc: [BLOCK_N, D]; dq_desc: [BLOCK_M, D / 2]
         float32 (one warpgroup's half of dQ_j)."""
         dtype: gl.constexpr = q_desc.dtype
@@ -399,13 +419,13 @@ if gluon is not None:
         gl.warp_specialize([
             (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready,
                          do_ready, qdo_empty, dq_smem, dq_bars, dq_desc, stat_smem, lse_ptr, delta_ptr, sm_scale,
-                         seqlen_q, seqlen_k, group, HEADS_Q, CAUSAL, DQ_BUFS, RAGGED)),
+                         seqlen_q, seqlen_k, group, win_left, win_right, HEADS_Q, CAUSAL, WINDOW, DQ_BUFS, RAGGED)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
-                         dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale, 0,
-                         HEADS_Q, CAUSAL, DQ_BUFS, RAGGED)),
+                         dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                         win_left, win_right, 0, HEADS_Q, CAUSAL, WINDOW, DQ_BUFS, RAGGED)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
-                         dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale, 1,
-                         HEADS_Q, CAUSAL, DQ_BUFS, RAGGED)),
+                         dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
+                         win_left, win_right, 1, HEADS_Q, CAUSAL, WINDOW, DQ_BUFS, RAGGED)),
         ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
 
     _launch = DirectLauncher(_attn_bwd_hopper)
@@ -454,13 +474,14 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     # dq_accum's descriptor: [64, D / 2] float32 boxes (one warpgroup's half of dQ_j), for the reduce-adds.
     args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
             _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dk_out, dv_out, sq, sk, group,
-            spec.softmax_scale * LOG2E, spec.softmax_scale)
-    # Hq is compiled in (constant strides); one compile per head count, as per dtype and causal.
-    meta = dict(HEADS_Q=hq, CAUSAL=is_causal(spec), STAGES=tiles.stages, DQ_BUFS=tiles.dq_bufs, RAGGED=ragged,
-                num_warps=4)
+            spec.softmax_scale * LOG2E, spec.softmax_scale, *window_bounds(spec))
+    # Hq is compiled in (constant strides); one compile per head count, as per dtype and mask kind.
+    kind = spec.visibility.kind
+    meta = dict(HEADS_Q=hq, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
+                DQ_BUFS=tiles.dq_bufs, RAGGED=ragged, num_warps=4)
     if warmup:
         return _launch.compile(grid, args, meta)
-    key = (q.dtype, d, is_causal(spec), q.device)
+    key = (q.dtype, d, kind, q.device)
     if (tiles, hq, group > 1, ragged, *key) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             _launch.compile(grid, args, meta)

@@ -28,7 +28,12 @@ Triton kernel.  FLASHPORT_HOPPER_FWD=0 switches it off (rollback without a relea
 is the fastest of tools/gpu/gluon_fwd_probe.py's variants (docs/PERFLOG.md row 15); the length floors
 come from tools/gpu/hopper_fwd_ab.py's same-run A/B (row 18).
 
-Equivalent PyTorch math: kernels/attn_fwd.py's (no softcap, ALiBi, dropout or window; causal with
+Sliding windows (WINDOW, behind FLASHPORT_HOPPER_FWD_WINDOW=1 until a GPU run checks them; Sq == Sk): a
+program's ring holds only the key tiles its 128 rows see (_key_tiles), both warpgroups consume every one, and
+a warpgroup masks a tile only where it crosses the band's edge for its 64 rows (_band_edge).  A row whose first
+tiles hold no visible key keeps p = alpha = 0 (its max stays -inf); each row sees its own key, so l > 0 at the end.
+
+Equivalent PyTorch math: kernels/attn_fwd.py's (no softcap, ALiBi or dropout; causal and windows with
 Sq == Sk).  Outputs: out [B, Sq, Hq, D], lse [B, Hq, Sq] (natural log) and lse2 = lse / ln 2 (what the
 backward reads; every row sees at least one key here, so both are finite).
 """
@@ -104,17 +109,30 @@ def is_causal(spec) -> bool:
     return spec.visibility.kind == "causal"
 
 
-def feature_reasons(spec) -> list[str]:
+def window_bounds(spec) -> tuple[int, int]:
+    """(win_left, win_right) of a window call for both Hopper kernels (Sq == Sk), an unbounded side as Sq + Sk
+    (every key); (0, 0) otherwise (the kernels read them only in their WINDOW variant)."""
+    if spec.visibility.kind != "window":
+        return 0, 0
+    far = spec.seqlen_q + spec.seqlen_k
+    return (spec.window_left if spec.window_left >= 0 else far), (spec.window_right if spec.window_right >= 0 else far)
+
+
+def feature_reasons(spec, windows: bool = False) -> list[str]:
     """The call features both Hopper kernels (this forward and kernels/attn_bwd_hopper.py) leave to the
-    Triton kernels: the first one present, or [] for a plain bf16/fp16 call, causal only with Sq == Sk."""
+    Triton kernels: the first one present, or [] for a plain bf16/fp16 call, causal only with Sq == Sk.
+    windows: the caller (the backward) serves sliding windows too, with Sq == Sk."""
     if spec.dtype not in (torch.bfloat16, torch.float16):
         return ["bfloat16 / float16 only"]
     if spec.softcap > 0 or spec.alibi is not None or spec.dropout_p > 0 or spec.softmax_scale <= 0:
         return ["no softcap, ALiBi or dropout; positive softmax scale"]
-    if spec.visibility.kind not in ("none", "causal"):
+    kind = spec.visibility.kind
+    if kind == "window" and not windows:
         return ["no sliding window"]
-    if is_causal(spec) and spec.seqlen_q != spec.seqlen_k:
-        return ["causal needs Sq == Sk"]
+    if kind not in ("none", "causal", "window"):
+        return [f"mask kind {kind!r}"]
+    if kind != "none" and spec.seqlen_q != spec.seqlen_k:
+        return [f"{kind} needs Sq == Sk"]
     return []
 
 
@@ -143,7 +161,7 @@ def spec_reasons(spec, length_floor: bool = True) -> list[str]:
         return [f"head dim {' / '.join(map(str, TILES))} only (q/k and v alike)"]
     if spec.kind != "dense" or spec.device.type != "cuda":
         return ["dense CUDA tensors only"]
-    plain = feature_reasons(spec)
+    plain = feature_reasons(spec, windows=env.flag("FLASHPORT_HOPPER_FWD_WINDOW"))
     if plain:
         return plain
     floor = min_keys(d, is_causal(spec)) if length_floor else 0
@@ -157,8 +175,9 @@ def spec_reasons(spec, length_floor: bool = True) -> list[str]:
         return [f"batch * heads must be in [1, {MAX_GRID_Y}]"]
     if not enabled():
         return [f"Gluon (Triton {tested_text()}) unavailable or FLASHPORT_HOPPER_FWD=0"]
-    if (spec.dtype, d, is_causal(spec), spec.device) in broken:
-        return ["failed to compile here: " + broken[(spec.dtype, d, is_causal(spec), spec.device)]]
+    failed = broken.get((spec.dtype, d, spec.visibility.kind, spec.device))
+    if failed:
+        return ["failed to compile here: " + failed]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
         return ["needs an sm_90 (Hopper) GPU"]
     return []
@@ -172,9 +191,11 @@ if gluon is not None:
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                  seqlen_q, seqlen_k, heads_q, group, CAUSAL: gl.constexpr, EARLY_K: gl.constexpr):
+                  seqlen_q, seqlen_k, heads_q, group, win_left, win_right, CAUSAL: gl.constexpr,
+                  WINDOW: gl.constexpr, EARLY_K: gl.constexpr):
         """TMA issue: the Q tile once, then K_j / V_j into stage j % STAGES, each once both consumers freed
-        that stage's K (resp. V) tile (EARLY_K; otherwise k_empty is v_empty and one wait covers both)."""
+        that stage's K (resp. V) tile (EARLY_K; otherwise k_empty is v_empty and one wait covers both).
+        WINDOW: the key tiles t0 + j of the Q tile's band (_key_tiles)."""
         TILE: gl.constexpr = q_smem.shape[0]
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
@@ -190,6 +211,9 @@ if gluon is not None:
         n_tiles = seqlen_k // BLOCK_N
         if CAUSAL:
             n_tiles = (pid_m + 1) * (TILE // BLOCK_N)      # every key up to the Q tile's last row
+        if WINDOW:
+            t0, n_tiles = _key_tiles(pid_m, seqlen_k, win_left, win_right, TILE, BLOCK_N)
+            kv_row += t0 * BLOCK_N
         for j in range(n_tiles):
             s = j % STAGES
             # First lap: a fresh barrier's parity 1 counts as completed, so the ring starts empty.
@@ -202,24 +226,51 @@ if gluon is not None:
             tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(s), v_smem.index(s))
 
     @gluon.jit
-    def _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED: gl.constexpr):
-        """Online-softmax update of tile j in the log2 domain -> (p fp32, alpha, m_new, l_new).  MASKED:
-        the causal diagonal tile (key j * BLOCK_N + c visible to row r iff it is <= r)."""
+    def _key_tiles(pid_m, seqlen_k, win_left, win_right, TILE: gl.constexpr, BLOCK_N: gl.constexpr):
+        """(first key tile, number of key tiles) that rows [pid_m TILE, pid_m TILE + TILE) see through a window
+        (Sq == Sk: row r sees keys r - win_left .. r + win_right)."""
+        t0 = gl.maximum(pid_m * TILE - win_left, 0) // BLOCK_N
+        t_end = gl.minimum((pid_m * TILE + TILE - 1 + win_right) // BLOCK_N + 1, seqlen_k // BLOCK_N)
+        return t0, t_end - t0
+
+    @gluon.jit
+    def _band_edge(row0, kt, win_left, win_right, BLOCK_N: gl.constexpr):
+        """Whether key tile kt holds a key that one of the warpgroup's rows [row0, row0 + 64) does not see."""
+        return (kt * BLOCK_N + win_left < row0 + _BLOCK_M - 1) | (kt * BLOCK_N + BLOCK_N - 1 > row0 + win_right)
+
+    @gluon.jit
+    def _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED: gl.constexpr, edge=False, win_left=0, win_right=0,
+                      WINDOW: gl.constexpr = False):
+        """Online-softmax update of key tile j in the log2 domain -> (p fp32, alpha, m_new, l_new).  MASKED:
+        the causal diagonal tile (key j * BLOCK_N + c visible to row r iff it is <= r).  WINDOW: keys outside
+        r - win_left .. r + win_right masked where the tile crosses the band's edge, and a row that has seen no
+        key yet (max -inf) keeps p = alpha = 0 instead of exp2(-inf + inf)."""
+        BLOCK_N: gl.constexpr = s_ij.shape[1]
         if MASKED:
-            BLOCK_N: gl.constexpr = s_ij.shape[1]
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_ij.type.layout))
             s_ij = gl.where(cols[None, :] <= rows[:, None], s_ij, float("-inf"))
+        if WINDOW:
+            if edge:
+                cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_ij.type.layout))
+                seen = (cols[None, :] + win_left >= rows[:, None]) & (cols[None, :] <= rows[:, None] + win_right)
+                s_ij = gl.where(seen, s_ij, float("-inf"))
         m_new = gl.maximum(m_i, gl.max(s_ij, axis=1) * qk_scale)
-        p = gl.exp2(s_ij * qk_scale - m_new[:, None])
-        alpha = gl.exp2(m_i - m_new)
+        if WINDOW:
+            m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
+        else:
+            m_use = m_new
+        p = gl.exp2(s_ij * qk_scale - m_use[:, None])
+        alpha = gl.exp2(m_i - m_use)
         l_new = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l_new
 
     @gluon.jit
     def _overlap_step(j, p_prev, acc, alpha, m_i, l_i, q_wg, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                      s_zero, qk_scale, rows, MASKED: gl.constexpr, EARLY_K: gl.constexpr):
-        """Key tile j: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together; the softmax of S_j runs
-        while the P V matmul is still on the tensor cores.  Returns (acc, P_j as an operand, alpha_j, m, l)."""
+                      s_zero, qk_scale, rows, MASKED: gl.constexpr, EARLY_K: gl.constexpr, kt=0, edge=False,
+                      win_left=0, win_right=0, WINDOW: gl.constexpr = False):
+        """Key tile j of the ring: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together; the softmax of
+        S_j runs while the P V matmul is still on the tensor cores.  Returns (acc, P_j as an operand, alpha_j,
+        m, l).  WINDOW: ring tile j is key tile kt, masked where `edge`."""
         STAGES: gl.constexpr = k_smem.shape[0]
         o_layout: gl.constexpr = acc.type.layout
         s = j % STAGES
@@ -232,7 +283,11 @@ if gluon is not None:
         s_ij = warpgroup_mma_wait(1, deps=[s_tok])          # retire S_j only: the P V keeps running
         if EARLY_K:
             mbarrier.arrive(k_empty.index(s), count=1)      # K_j is read: its stage may refill
-        p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED)
+        if WINDOW:
+            p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, kt, False, edge, win_left, win_right,
+                                               True)
+        else:
+            p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         # P_j is packed after the wait: it overwrites the registers P_{j-1} V_{j-1} reads.
         p_op = gl.convert_layout(p.to(p_prev.dtype), p_prev.type.layout)
@@ -241,8 +296,8 @@ if gluon is not None:
 
     @gluon.jit
     def _consumer(q_wg, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, lse_ptr, lse2_ptr,
-                  seqlen_q, seqlen_k, heads_q, qk_scale, WG: gl.constexpr, CAUSAL: gl.constexpr,
-                  EARLY_K: gl.constexpr):
+                  seqlen_q, seqlen_k, heads_q, qk_scale, win_left, win_right, WG: gl.constexpr,
+                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EARLY_K: gl.constexpr):
         """Warpgroup WG: rows [WG * BLOCK_M, (WG + 1) * BLOCK_M) of the program's Q tile; acc fp32."""
         dtype: gl.constexpr = o_desc.dtype
         TILE: gl.constexpr = 2 * _BLOCK_M
@@ -273,6 +328,10 @@ if gluon is not None:
         if CAUSAL:
             n_tiles = pid_m * (TILE // BLOCK_N) + DIAG_TILES
             n_loop = n_tiles - 1   # the diagonal is peeled off to carry the mask
+        t0 = 0
+        if WINDOW:   # the program's band (both warpgroups consume every tile of the ring), masked at its edges
+            t0, n_tiles = _key_tiles(pid_m, seqlen_k, win_left, win_right, TILE, BLOCK_N)
+            n_loop = n_tiles
         m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, row_s)
         l_i = gl.full([_BLOCK_M], 0.0, gl.float32, row_s)
         acc = gl.zeros([_BLOCK_M, HEAD_DIM], gl.float32, o_layout)
@@ -289,12 +348,23 @@ if gluon is not None:
             if n_tiles == 1:
                 cols = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_layout))
                 s_ij = gl.where(cols[None, :] <= rows[:, None], s_ij, float("-inf"))
-        p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, 0, False)
+        if WINDOW:
+            p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, t0, False,
+                                               _band_edge(row0, t0, win_left, win_right, BLOCK_N), win_left,
+                                               win_right, True)
+        else:
+            p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, 0, False)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, n_loop):
-            acc, p_op, alpha, m_i, l_i = _overlap_step(j, p_op, acc, alpha, m_i, l_i, q_wg, k_smem, v_smem,
-                                                       k_ready, v_ready, k_empty, v_empty, s_zero, qk_scale, rows,
-                                                       False, EARLY_K)
+            if WINDOW:
+                acc, p_op, alpha, m_i, l_i = _overlap_step(
+                    j, p_op, acc, alpha, m_i, l_i, q_wg, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
+                    qk_scale, rows, False, EARLY_K, t0 + j, _band_edge(row0, t0 + j, win_left, win_right, BLOCK_N),
+                    win_left, win_right, True)
+            else:
+                acc, p_op, alpha, m_i, l_i = _overlap_step(j, p_op, acc, alpha, m_i, l_i, q_wg, k_smem, v_smem,
+                                                           k_ready, v_ready, k_empty, v_empty, s_zero, qk_scale,
+                                                           rows, False, EARLY_K)
         if CAUSAL:
             if n_tiles > 1:
                 acc, p_op, alpha, m_i, l_i = _overlap_step(n_tiles - 1, p_op, acc, alpha, m_i, l_i, q_wg, k_smem,
@@ -333,8 +403,8 @@ if gluon is not None:
 
     @gluon.jit
     def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, group,
-                         qk_scale, CAUSAL: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         EARLY_K: gl.constexpr):
+                         qk_scale, win_left, win_right, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EARLY_K: gl.constexpr):
         """q_desc: [TILE, HEAD_DIM] blocks; k_desc / v_desc: [BLOCK_N, HEAD_DIM]; o_desc: [BLOCK_M, HEAD_DIM]."""
         dtype: gl.constexpr = q_desc.dtype
         TILE: gl.constexpr = q_desc.block_type.shape[0]
@@ -361,12 +431,14 @@ if gluon is not None:
         # Argument tuples are written inline: bound to a local first, their constexprs turn into tensors.
         gl.warp_specialize([
             (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
-                         v_empty, seqlen_q, seqlen_k, heads_q, group, CAUSAL, EARLY_K)),
-            (_consumer, (q_smem.slice(0, _BLOCK_M), k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                         o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, 0, CAUSAL, EARLY_K)),
-            (_consumer, (q_smem.slice(_BLOCK_M, _BLOCK_M), k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
-                         v_empty, o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, 1, CAUSAL,
+                         v_empty, seqlen_q, seqlen_k, heads_q, group, win_left, win_right, CAUSAL, WINDOW,
                          EARLY_K)),
+            (_consumer, (q_smem.slice(0, _BLOCK_M), k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
+                         o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, win_left, win_right, 0,
+                         CAUSAL, WINDOW, EARLY_K)),
+            (_consumer, (q_smem.slice(_BLOCK_M, _BLOCK_M), k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
+                         v_empty, o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, win_left,
+                         win_right, 1, CAUSAL, WINDOW, EARLY_K)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
     _launch = DirectLauncher(_attn_fwd_hopper)
@@ -409,12 +481,14 @@ def forward(spec, q, k, v, warmup: bool = False):
     grid = (sq // TILE, b * hq)
     args = (_descriptor(q, TILE), _descriptor(k, tiles.block_n), _descriptor(v, tiles.block_n),
             _descriptor(out, BLOCK_M), lse, lse2, sq, spec.seqlen_k, hq, spec.group_size,
-            spec.softmax_scale * LOG2E)
-    meta = dict(CAUSAL=is_causal(spec), STAGES=tiles.stages, CONSUMER_REGS=tiles.consumer_regs,
+            spec.softmax_scale * LOG2E, *window_bounds(spec))
+    kind = spec.visibility.kind
+    meta = dict(CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
+                CONSUMER_REGS=tiles.consumer_regs,
                 EARLY_K=tiles.early_k, num_warps=4)
     if warmup:
         return _launch.compile(grid, args, meta)
-    variant = (q.dtype, d, is_causal(spec), q.device)
+    variant = (q.dtype, d, kind, q.device)
     if variant not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             _launch.compile(grid, args, meta)

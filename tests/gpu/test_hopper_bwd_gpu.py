@@ -74,13 +74,35 @@ def test_candidate_variants_conform(case, variant, d, served, monkeypatch):
     assert served, f"the Hopper backward ({variant}) did not serve this call"
 
 
+# Sliding windows (FLASHPORT_HOPPER_BWD_WINDOW=1, Sq == Sk): each K/V tile walks only the Q tiles of its band,
+# and masks those crossing the band's edges.  Left-only, right-only and two-sided bands; bands narrower than a
+# tile, wider than the sequence, ragged lengths, GQA.
+WINDOWS = [
+    Case(b=2, sq=512, sk=512, hq=4, hkv=4, d=128, window=(64, 0)),
+    Case(b=1, sq=1024, sk=1024, hq=4, hkv=2, d=128, window=(200, 0)),     # GQA, a band not a tile multiple
+    Case(b=1, sq=640, sk=640, hq=2, hkv=2, d=64, window=(100, 37)),      # two-sided
+    Case(b=2, sq=384, sk=384, hq=2, hkv=1, d=64, window=(-1, 5)),        # right bound only, MQA
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, window=(1000, 1000)),  # wider than the sequence
+    Case(b=2, sq=300, sk=300, hq=2, hkv=2, d=128, window=(17, 3)),       # ragged, narrower than a tile
+    Case(b=1, sq=1500, sk=1500, hq=4, hkv=4, d=64, window=(511, 0)),     # ragged, several tiles
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", WINDOWS, ids=str)
+def test_window_calls_conform(case, dtype, served, monkeypatch):
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_WINDOW", "1")
+    check_dense(None, case.replace(dtype=dtype), DEV, grads=True)
+    assert served, "the Hopper backward did not serve this window"
+
+
 DECLINED = [
     Case(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, causal=True, deterministic=True),   # unordered dQ sums: never
     Case(b=1, sq=100, sk=256, hq=2, hkv=2, d=128),                   # shorter than one tile
     Case(b=1, sq=256, sk=384, hq=2, hkv=2, d=128, causal=True),      # causal with Sq != Sk
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, noncontig=True),   # strided: no TMA view
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=96),
-    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=64, window=(64, 0)),
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=64, window=(64, 0)),     # FLASHPORT_HOPPER_BWD_WINDOW off
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, softcap=5.0),
 ]
 

@@ -57,6 +57,28 @@ def test_served_calls_conform(case, dtype, served):
     assert served, "the Hopper kernel did not serve this call"
 
 
+# Sliding windows (FLASHPORT_HOPPER_FWD_WINDOW=1, Sq == Sk): each Q tile's ring holds only its band's key tiles,
+# masked where a tile crosses the band's edge for a warpgroup; rows whose first tiles hold no visible key keep
+# p = alpha = 0.  Left-only, right-only, two-sided, narrower than a key tile, wider than the sequence; GQA.
+WINDOWS = [
+    Case(b=2, sq=512, sk=512, hq=4, hkv=4, d=128, window=(64, 0)),
+    Case(b=1, sq=1024, sk=1024, hq=4, hkv=2, d=128, window=(200, 0)),
+    Case(b=1, sq=640, sk=640, hq=2, hkv=2, d=64, window=(100, 37)),
+    Case(b=2, sq=384, sk=384, hq=2, hkv=1, d=64, window=(-1, 5)),
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, window=(1000, 1000)),   # a band wider than the sequence
+    Case(b=2, sq=512, sk=512, hq=4, hkv=2, d=256, window=(17, 3)),        # BLOCK_N = 64, a narrow band
+    Case(b=1, sq=768, sk=768, hq=2, hkv=2, d=256, window=(300, 130)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", WINDOWS, ids=str)
+def test_window_calls_conform(case, dtype, served, monkeypatch):
+    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_WINDOW", "1")
+    check_dense(None, case.replace(dtype=dtype), DEV, grads=True)
+    assert served, "the Hopper kernel did not serve this window"
+
+
 DECLINED = [
     Case(b=1, sq=200, sk=256, hq=2, hkv=2, d=128),                   # not a multiple of 128
     Case(b=1, sq=256, sk=384, hq=2, hkv=2, d=128, causal=True),      # causal with Sq != Sk
@@ -64,7 +86,7 @@ DECLINED = [
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=96),                    # a head dim without tiles
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, dv=64),            # q/k and v head dims differ
     Case(b=1, sq=256, sk=320, hq=2, hkv=2, d=256),                   # Sk not a multiple of 128
-    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, window=(64, 0)),
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, window=(64, 0)),   # FLASHPORT_HOPPER_FWD_WINDOW off
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, softcap=5.0),
 ]
 

@@ -8,6 +8,7 @@ LDL/STL = spill traffic; REDG/ATOMG = global atomics).
     python tools/gpu/compile_report.py --d --hopper-fwd     # only the Gluon Hopper forward, D in {64, 128, 256}
     python tools/gpu/compile_report.py --d 64 --mods         # with compiled mods and a block mask (issue [15])
     python tools/gpu/compile_report.py --d --merge          # only the merge's forward and backward kernels
+    python tools/gpu/compile_report.py --d --hopper-bwd     # only the Gluon Hopper backward: no mask, causal, window
 
 How: Triton compiles ahead of time through `JITFunction.warmup`; a stand-in driver names the target
 (GPUTarget("cuda", 90, 32)), and kernel launches are turned into warmups, so the real host launchers
@@ -154,7 +155,7 @@ def compile_mods_case(d: int, block_mask: bool = True, dtype=torch.bfloat16) -> 
 
 def compile_hopper_fwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
     """Compile the Gluon Hopper forward (kernels/attn_fwd_hopper.py) for each head dim it serves (default:
-    all of attn_fwd_hopper.TILES), causal and not, per dtype.  A variant the compiler rejects is reported
+    all of attn_fwd_hopper.TILES), no mask, causal and a window, per dtype.  A variant the compiler rejects is reported
     with its error (the row's "error"), not fatal."""
     from flashport.kernels import attn_fwd_hopper
     from flashport.spec import dense_spec
@@ -162,17 +163,45 @@ def compile_hopper_fwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
     for d in ds or sorted(attn_fwd_hopper.TILES):
         tiles = attn_fwd_hopper.TILES[d]
         for dtype in dtypes:
-            for causal in (False, True):
+            for causal, window in ((False, (-1, -1)), (True, (-1, -1)), ("window", (100, 0))):
                 q = torch.zeros(1, 256, 2 * gqa, d, dtype=dtype)
                 k = torch.zeros(1, 256, 2, d, dtype=dtype)
-                spec, _ = dense_spec(q, k, k, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
-                                     alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+                spec, _ = dense_spec(q, k, k, causal=causal is True, softmax_scale=None, window_size=window,
+                                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False,
+                                     return_lse=False)
                 row = {"kernel": "fwd_hopper", "d": d, "causal": causal, "gqa": gqa, "dtype": str(dtype).split(".")[-1],
                        "config": {"block_m": attn_fwd_hopper.TILE, "block_n": tiles.block_n, "num_warps": 12,
                                   "num_stages": tiles.stages, "consumer_regs": tiles.consumer_regs,
                                   "early_k": tiles.early_k}}
                 try:
                     rows.append({**row, **report(attn_fwd_hopper.forward(spec, q, k, k, warmup=True))})
+                except Exception as e:  # noqa: BLE001 - a variant the compiler rejects is reported, not fatal
+                    rows.append({**row, "error": f"{type(e).__name__}: {e}"[:500]})
+    return rows
+
+
+def compile_hopper_bwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
+    """Compile the Gluon Hopper backward (kernels/attn_bwd_hopper.py) for each head dim it serves (default: its
+    DEFAULT table), with no mask, causal, and a sliding window (left 64, right 0), per dtype."""
+    from flashport.kernels import attn_bwd_hopper
+    from flashport.spec import dense_spec
+    rows = []
+    for d in ds or sorted(attn_bwd_hopper.DEFAULT):
+        tiles = attn_bwd_hopper.VARIANTS[attn_bwd_hopper.DEFAULT[d]]
+        for dtype in dtypes:
+            for mask, kw in (("none", {}), ("causal", dict(causal=True)), ("window", dict(window_size=(64, 0)))):
+                q = torch.zeros(1, 256, 2 * gqa, d, dtype=dtype)
+                k = torch.zeros(1, 256, 2, d, dtype=dtype)
+                spec, _ = dense_spec(q, k, k, **{**dict(causal=False, softmax_scale=None, window_size=(-1, -1),
+                                                        softcap=0.0, alibi_slopes=None, dropout_p=0.0,
+                                                        deterministic=False, return_lse=False), **kw})
+                row = {"kernel": "bwd_hopper", "d": d, "causal": mask, "gqa": gqa, "dtype": str(dtype).split(".")[-1],
+                       "config": {"block_m": attn_bwd_hopper.BLOCK_M, "block_n": attn_bwd_hopper.BLOCK_N,
+                                  "num_warps": 12, "num_stages": tiles.stages}}
+                lse2 = torch.zeros(1, 2 * gqa, 256)
+                try:
+                    rows.append({**row, **report(attn_bwd_hopper.backward(spec, q, q, k, k, None, lse2, lse2,
+                                                                          warmup=True))})
                 except Exception as e:  # noqa: BLE001 - a variant the compiler rejects is reported, not fatal
                     rows.append({**row, "error": f"{type(e).__name__}: {e}"[:500]})
     return rows
@@ -225,6 +254,8 @@ def main(argv=None) -> int:
     ap.add_argument("--mods", action="store_true", help="also compile a programmable call's kernels (compiled "
                     "score_mod, mask_mod and a block mask) for each --d")
     ap.add_argument("--merge", action="store_true", help="also compile the merge's forward and backward kernels")
+    ap.add_argument("--hopper-bwd", action="store_true", help="also compile the Gluon Hopper backward (its head "
+                    "dims among --d, or all; no mask, causal and a window)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     driver.set_active(_HopperTarget())
@@ -250,6 +281,11 @@ def main(argv=None) -> int:
         ds = [d for d in args.d if d in TILES] or None    # none of --d served (`--d` with no value): all
         dtypes = {"bf16": (torch.bfloat16,), "fp16": (torch.float16,), "both": (torch.bfloat16, torch.float16)}
         rows += compile_hopper_fwd(max(args.gqa, 1), ds, dtypes[args.hopper_dtype])
+    if args.hopper_bwd:
+        from flashport.kernels.attn_bwd_hopper import DEFAULT
+        ds = [d for d in args.d if d in DEFAULT] or None
+        dtypes = {"bf16": (torch.bfloat16,), "fp16": (torch.float16,), "both": (torch.bfloat16, torch.float16)}
+        rows += compile_hopper_bwd(max(args.gqa, 1), ds, dtypes[args.hopper_dtype])
     print(f"{'kernel':11} {'D':>4} {'config':28} {'regs':>4} {'used':>4} {'spill':>5} {'smem':>6} {'HGMMA':>5} "
           f"{'HMMA':>4} {'LDL/STL':>7} {'RED/ATOM':>8}")
     for r in rows:
@@ -257,7 +293,9 @@ def main(argv=None) -> int:
         cs = f"{c.get('block_m')}x{c.get('block_n')} w{c.get('num_warps')} s{c.get('num_stages')}" if c else "-"
         if r["kernel"] == "fwd_hopper":
             cs += f"{' ek' if c['early_k'] else ''} {'bf16' if r['dtype'] == 'bfloat16' else 'fp16'}"
-            cs += " causal" if r["causal"] else ""
+            cs += {True: " causal", "window": " window"}.get(r["causal"], "")
+        if r["kernel"] == "bwd_hopper":
+            cs += f" {'bf16' if r['dtype'] == 'bfloat16' else 'fp16'} {r['causal']}"
         if r.get("mods"):
             cs += f" {r['mods']}"
         if "error" in r:

@@ -46,7 +46,7 @@ programmable_tier() {   # SECONDS for the whole tier, shared out per test (a slo
               "rest:test_flex_does_not_recompile_for_new_lengths or retain_graph or declared_backend:10"; do
     local name=${spec%%:*} rest=${spec#*:}; local sel=${rest%:*} pct=${rest##*:}
     local args=("$t::$sel"); [[ "$sel" == *" or "* ]] && args=("$t" -k "$sel")
-    FLASHPORT_MODS_FUZZ_N=${MODS_N:-100} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-40} FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-100} \
+    FLASHPORT_MODS_FUZZ_N=${MODS_N:-100} FLASHPORT_MODS_FUZZ_N_FLEX=${FLEX_N:-40} FLASHPORT_MODS_FUZZ_N_TRITON=${TRITON_N:-40} \
         timeout $(( total * pct / 100 )) python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
         "${args[@]}" > "$R/programmable_gpu/$name.log" 2>&1
     echo "programmable $name rc=$? $(grep -E '[0-9]+ (passed|failed)|PASS, ' "$R/programmable_gpu/$name.log" | tr '\n' ' ' | cut -c1-200)"
