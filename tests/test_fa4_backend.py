@@ -351,6 +351,34 @@ def test_varlen_mapping_zeroes_tails_and_never_reads_past_the_last_sequence(fake
     assert call["window_size"] == (4, 0) and call["max_seqlen_q"] == max(lens_q) and call["max_seqlen_k"] == max(lens_k)
 
 
+def test_varlen_tensors_packed_tight_go_to_fa4_uncopied_and_cu_is_read_once(fake_fa4, monkeypatch):
+    """cu_seqlens[-1] == the packed rows (the usual layout): no zero-tailed copies, no masking passes, the same
+    results as the reference; cu[-1] is read on the host once per cu tensor and version, not per call."""
+    g = torch.Generator().manual_seed(3)
+    lens = [5, 0, 9, 3]
+    cu = torch.tensor([0, *torch.tensor(lens).cumsum(0).tolist()], dtype=torch.int32)
+    n = int(cu[-1])
+    base = [_rnd(g, n, 4, 16), _rnd(g, n, 2, 16), _rnd(g, n, 2, 16)]
+    do = _rnd(g, n, 4, 16)
+    copies, reads = [], []
+    real_tail = fa4._finite_tail
+    monkeypatch.setattr(fa4, "_finite_tail", lambda x, c: copies.append(x.shape) or real_tail(x, c))
+    monkeypatch.setattr(fa4, "int", lambda x: reads.append(1) or int(x), raising=False)   # the host reads of cu[-1]
+    fa4._PACKED.clear()
+    res = {}
+    for name in ("fa4", "reference", "fa4"):
+        leaves = [t.detach().clone().requires_grad_() for t in base]
+        out, lse = flashport.attention_varlen(*leaves, cu, cu, max(lens), max(lens), causal=True, return_lse=True,
+                                              backend=name)
+        res.setdefault(name, (out, lse, *torch.autograd.grad(out, leaves, do)))
+    assert copies == [], copies
+    assert len(reads) == 1, reads            # two forwards and two backwards, one read
+    for got, want in zip(res["fa4"], res["reference"]):
+        torch.testing.assert_close(got.float(), want.float(), atol=4e-3, rtol=4e-3)
+    cu[-1] -= 3                               # an in-place change: read again, and now three rows trail
+    assert fa4._packed_rows(cu) == n - 3 and not fa4._tight(cu, n)
+
+
 def test_the_stand_in_would_catch_an_unsanitised_tail(fake_fa4):
     """The varlen test above can fail: FA4 fed the NaN tail directly returns NaN (a test that cannot fail is a
     defect)."""

@@ -1,6 +1,6 @@
 """The Hopper kernels' window arithmetic, transcribed here line for line because Gluon kernels do not run on a
 CPU -- the backward's `_q_tiles` with WINDOW and the edge test in `_step` (kernels/attn_bwd_hopper.py), the
-forward's `_key_tiles` and `_band_edge` (kernels/attn_fwd_hopper.py): for random bands and lengths, every visible
+forward's `_key_tiles` and `_band_edge` (kernels/attn_fwd_hopper.py), each returning what the kernel's returns: for random bands and lengths, every visible
 (query, key) pair lies in a tile pair the kernel visits, and a tile visited without the mask holds only visible
 pairs.  The GPU tier (test_window_calls_conform in tests/gpu/test_hopper_{fwd,bwd}_gpu.py) checks the kernels."""
 from __future__ import annotations
@@ -19,7 +19,8 @@ def q_tiles(n, sq, win_left, win_right, ragged):
     n_tiles = (sq + BLOCK_M - 1) // BLOCK_M if ragged else sq // BLOCK_M
     n0 = n * BLOCK_N
     j0 = max(n0 - win_right, 0) // BLOCK_M
-    return j0, min((n0 + BLOCK_N - 1 + win_left) // BLOCK_M + 1, n_tiles)
+    n_tiles = min((n0 + BLOCK_N - 1 + win_left) // BLOCK_M + 1, n_tiles)
+    return j0, n_tiles - j0
 
 
 def masked(j, n, wg, win_left, win_right):
@@ -52,8 +53,9 @@ def test_walked_tiles_cover_the_band_and_skip_the_mask_only_inside_it(seed):
     s, (win_left, win_right), seen = draw(seed, [128, 200, 256, 300, 512, 640, 777])
     ragged = s % BLOCK_N != 0
     for n in range((s + BLOCK_N - 1) // BLOCK_N):
-        lo, hi = q_tiles(n, s, win_left, win_right, ragged)
-        assert lo < hi, "every K/V tile has a Q tile (its own diagonal)"
+        lo, count = q_tiles(n, s, win_left, win_right, ragged)
+        assert count >= 1, "every K/V tile has a Q tile (its own diagonal)"
+        hi = lo + count
         for kv in range(n * BLOCK_N, min((n + 1) * BLOCK_N, s)):
             for i in range(s):
                 if seen(i, kv):
@@ -68,7 +70,8 @@ def test_walked_tiles_cover_the_band_and_skip_the_mask_only_inside_it(seed):
 
 def key_tiles(pid_m, sk, win_left, win_right, block_n):
     t0 = max(pid_m * TILE - win_left, 0) // block_n
-    return t0, min((pid_m * TILE + TILE - 1 + win_right) // block_n + 1, sk // block_n)
+    t_end = min((pid_m * TILE + TILE - 1 + win_right) // block_n + 1, sk // block_n)
+    return t0, t_end - t0
 
 
 def band_edge(row0, kt, win_left, win_right, block_n):

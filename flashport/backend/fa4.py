@@ -43,8 +43,13 @@ tiles, so V rows past a sequence's valid length (inside its last tile or page) e
 is NaN -- its own docstring asks for finite rows there.  The contract lets those cache slots hold anything (the
 checks poison them with NaN), and making them finite would cost a pass over the cache on every decode step.
 Varlen has the same hazard only past cu_seqlens_k[-1] (a sequence's overshoot reads the next sequence's real
-rows), so the varlen path hands FA4 copies whose rows past the last sequence are zero (`_finite_tail`, no host
-sync; q and dout too in the backward), and zeroes what FA4 leaves unwritten there (out, lse = -inf, dq, dk, dv).
+rows), so where a packed tensor has rows past the last sequence the varlen path hands FA4 copies whose rows there
+are zero (`_finite_tail`; q and dout too in the backward), and zeroes what FA4 leaves unwritten there (out,
+lse = -inf, dq, dk, dv).  A tensor packed tight (cu_seqlens[-1] == its rows, the usual case) goes to FA4 as it is:
+there are no such rows, and FA4's loads past the tensor's end read zeros.  Telling the two apart reads
+cu_seqlens[-1] on the host once per cu_seqlens tensor (`_packed_rows`: one sync when a batch's tensor is first
+seen, then a cache hit in every layer); where a sync is not allowed (CUDA graph capture, torch.compile tracing)
+the copies are made.
 
 Selection: never by static priority.  `measured_only = True` (dispatch._auto) keeps it out of every choice that
 the selection table does not make: backend=None takes fa4 only in a bucket where `flashport tune` measured it
@@ -58,6 +63,8 @@ import importlib
 import importlib.util
 import inspect
 import sys
+import weakref
+from collections import OrderedDict
 from types import SimpleNamespace
 from typing import Optional
 
@@ -164,6 +171,32 @@ def _valid_rows(cu: torch.Tensor, n: int) -> torch.Tensor:
     return (torch.arange(n, device=cu.device) < cu[-1].to(torch.int64))[:, None, None]
 
 
+_PACKED: OrderedDict = OrderedDict()   # id(cu) -> (weak reference to cu, cu._version, cu[-1] on the host)
+PACKED_CACHE = 64
+
+
+def _packed_rows(cu: torch.Tensor) -> Optional[int]:
+    """cu[-1] as a host int, read once per cu_seqlens tensor and version (an in-place change re-reads it), or None
+    where reading it would sync a stream being captured or a graph being traced."""
+    if torch.compiler.is_compiling() or (cu.is_cuda and torch.cuda.is_current_stream_capturing()):
+        return None
+    hit = _PACKED.get(id(cu))
+    if hit is not None and hit[0]() is cu and hit[1] == cu._version:
+        _PACKED.move_to_end(id(cu))
+        return hit[2]
+    rows = int(cu[-1])
+    _PACKED[id(cu)] = (weakref.ref(cu), cu._version, rows)
+    while len(_PACKED) > PACKED_CACHE:
+        _PACKED.popitem(last=False)
+    return rows
+
+
+def _tight(cu: torch.Tensor, n: int) -> bool:
+    """Every one of a packed tensor's n rows belongs to a sequence (known without a sync, or read once)."""
+    rows = _packed_rows(cu)
+    return rows is not None and rows >= n
+
+
 def _finite_tail(x: torch.Tensor, cu: torch.Tensor) -> torch.Tensor:
     """A copy of packed x [total, H, D] with zeros past cu[-1]: FA4's last key (or query) tile reads up to a tile of
     rows past the last sequence, and 0 * NaN there would be NaN in P @ V (or in dK, dV)."""
@@ -192,8 +225,8 @@ class Fa4Backend(dispatch.Backend):
                                "flashport's kernels (FA4 gave inf there on an H100)",
                                "KV cache left to flashport's kernels: FA4 reads V rows past seqused_k inside a "
                                "tile, which the contract lets hold NaN",
-                               "varlen: inputs copied with rows past cu_seqlens[-1] zeroed (FA4 reads up to a "
-                               "tile past the last sequence)",
+                               "varlen: a packed tensor with rows past cu_seqlens[-1] is copied with them zeroed "
+                               "(FA4 reads up to a tile past the last sequence); one packed tight is not",
                                "chosen by backend=None only where the selection table measured it fastest"))
 
     def availability(self) -> list[str]:
@@ -241,7 +274,7 @@ class Fa4Backend(dispatch.Backend):
         if role == "bwd":   # dQ accumulated in float32 (and dK, dV too under GQA) beside dq, dk, dv
             extra += rows * spec.head_dim * 4 + (keys * (spec.head_dim + spec.head_dim_v) * 4 if spec.group_size > 1
                                                  else 0)
-        if spec.kind == "varlen":   # the zero-tailed copies of k and v (and q in the backward)
+        if spec.kind == "varlen":   # the zero-tailed copies of k and v (and q in the backward), if rows trail
             item = torch.finfo(spec.dtype).bits // 8
             extra += keys * (spec.head_dim + spec.head_dim_v) * item + (rows * spec.head_dim * item
                                                                         if role == "bwd" else 0)
@@ -264,11 +297,14 @@ class Fa4Backend(dispatch.Backend):
                 out, lse = api.fwd(q, k, v, **kw)
                 return out, lse, None
             cq, ck = inputs.cu_seqlens_q, inputs.cu_seqlens_k
-            out, lse = api.varlen(q, _finite_tail(k, ck), _finite_tail(v, ck), cu_seqlens_q=cq, cu_seqlens_k=ck,
-                                  max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k, **kw)
-            valid = _valid_rows(cq, q.shape[0])
-            out = out.masked_fill_(~valid, 0)                                 # rows FA4 never writes
-            lse = lse.masked_fill_(~valid[:, 0, 0][None, :], float("-inf"))
+            if not _tight(ck, k.shape[0]):
+                k, v = _finite_tail(k, ck), _finite_tail(v, ck)
+            out, lse = api.varlen(q, k, v, cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=spec.seqlen_q,
+                                  max_seqlen_k=spec.seqlen_k, **kw)
+            if not _tight(cq, q.shape[0]):
+                valid = _valid_rows(cq, q.shape[0])
+                out = out.masked_fill_(~valid, 0)                             # rows FA4 never writes
+                lse = lse.masked_fill_(~valid[:, 0, 0][None, :], float("-inf"))
         return out, lse, None
 
     def backward(self, spec: AttnSpec, inputs: AttnInputs, saved: dispatch.Saved, dout, dlse):
@@ -278,16 +314,22 @@ class Fa4Backend(dispatch.Backend):
         left, right = fa4_window(spec)
         kw = dict(window_size_left=left, window_size_right=right, deterministic=bool(spec.deterministic),
                   dlse=None if dlse is None else dlse.to(torch.float32).contiguous())
+        tight_q = tight_k = True
         if spec.kind == "varlen":
             cq, ck = inputs.cu_seqlens_q, inputs.cu_seqlens_k
-            q, dout = _finite_tail(q, cq), _finite_tail(dout, cq)
-            k, v = _finite_tail(k, ck), _finite_tail(v, ck)
+            tight_q, tight_k = _tight(cq, q.shape[0]), _tight(ck, k.shape[0])
+            if not tight_q:
+                q, dout = _finite_tail(q, cq), _finite_tail(dout, cq)
+            if not tight_k:
+                k, v = _finite_tail(k, ck), _finite_tail(v, ck)
             kw.update(cu_seqlens_q=cq, cu_seqlens_k=ck, max_seqlen_q=spec.seqlen_q, max_seqlen_k=spec.seqlen_k)
         with torch.no_grad():
             dq, dk, dv = _api().bwd(q, k, v, saved.out, dout, saved.lse, spec.softmax_scale, False,
                                     float(spec.softcap), **kw)[:3]
-            if spec.kind == "varlen":   # gradients of the rows past the last sequence are zero, not FA4's leftovers
+            # gradients of the rows past the last sequence are zero, not FA4's leftovers
+            if not tight_q:
                 dq = dq.masked_fill_(~_valid_rows(inputs.cu_seqlens_q, dq.shape[0]), 0)
+            if not tight_k:
                 kv_ok = _valid_rows(inputs.cu_seqlens_k, dk.shape[0])
                 dk, dv = dk.masked_fill_(~kv_ok, 0), dv.masked_fill_(~kv_ok, 0)
         return dq, dk, dv

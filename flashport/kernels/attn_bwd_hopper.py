@@ -378,7 +378,9 @@ if gluon is not None:
             gl.store(dk_ptr + tile + offs, dk.to(dk_ptr.dtype.element_ty))
             gl.store(dv_ptr + tile + offs, dv.to(dv_ptr.dtype.element_ty))
 
-    @gluon.jit
+    # The window bounds are compared, never indexed with: no specialisation (1 and multiples of 16 would each be a
+    # compile of their own).
+    @gluon.jit(do_not_specialize=["win_left", "win_right"])
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
                          seqlen_k, group, qk_scale, sm_scale, win_left, win_right, HEADS_Q: gl.constexpr,
                          CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,

@@ -121,7 +121,7 @@ def window_bounds(spec) -> tuple[int, int]:
 def feature_reasons(spec, windows: bool = False) -> list[str]:
     """The call features both Hopper kernels (this forward and kernels/attn_bwd_hopper.py) leave to the
     Triton kernels: the first one present, or [] for a plain bf16/fp16 call, causal only with Sq == Sk.
-    windows: the caller (the backward) serves sliding windows too, with Sq == Sk."""
+    windows: the caller's window switch is on (FLASHPORT_HOPPER_{FWD,BWD}_WINDOW), so windows with Sq == Sk pass."""
     if spec.dtype not in (torch.bfloat16, torch.float16):
         return ["bfloat16 / float16 only"]
     if spec.softcap > 0 or spec.alibi is not None or spec.dropout_p > 0 or spec.softmax_scale <= 0:
@@ -239,12 +239,13 @@ if gluon is not None:
         return (kt * BLOCK_N + win_left < row0 + _BLOCK_M - 1) | (kt * BLOCK_N + BLOCK_N - 1 > row0 + win_right)
 
     @gluon.jit
-    def _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED: gl.constexpr, edge=False, win_left=0, win_right=0,
-                      WINDOW: gl.constexpr = False):
+    def _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED: gl.constexpr, edge, win_left, win_right,
+                      WINDOW: gl.constexpr):
         """Online-softmax update of key tile j in the log2 domain -> (p fp32, alpha, m_new, l_new).  MASKED:
         the causal diagonal tile (key j * BLOCK_N + c visible to row r iff it is <= r).  WINDOW: keys outside
-        r - win_left .. r + win_right masked where the tile crosses the band's edge, and a row that has seen no
-        key yet (max -inf) keeps p = alpha = 0 instead of exp2(-inf + inf)."""
+        r - win_left .. r + win_right masked where the tile crosses the band's edge (`edge`), and a row that has
+        seen no key yet (max -inf) keeps p = alpha = 0 instead of exp2(-inf + inf).  No defaults: a window call
+        that left out `edge` would skip its mask silently."""
         BLOCK_N: gl.constexpr = s_ij.shape[1]
         if MASKED:
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_ij.type.layout))
@@ -266,8 +267,8 @@ if gluon is not None:
 
     @gluon.jit
     def _overlap_step(j, p_prev, acc, alpha, m_i, l_i, q_wg, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                      s_zero, qk_scale, rows, MASKED: gl.constexpr, EARLY_K: gl.constexpr, kt=0, edge=False,
-                      win_left=0, win_right=0, WINDOW: gl.constexpr = False):
+                      s_zero, qk_scale, rows, MASKED: gl.constexpr, EARLY_K: gl.constexpr, kt, edge, win_left,
+                      win_right, WINDOW: gl.constexpr):
         """Key tile j of the ring: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together; the softmax of
         S_j runs while the P V matmul is still on the tensor cores.  Returns (acc, P_j as an operand, alpha_j,
         m, l).  WINDOW: ring tile j is key tile kt, masked where `edge`."""
@@ -287,7 +288,7 @@ if gluon is not None:
             p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, kt, False, edge, win_left, win_right,
                                                True)
         else:
-            p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED)
+            p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED, False, 0, 0, False)
         acc = warpgroup_mma_wait(0, deps=[o_tok])
         # P_j is packed after the wait: it overwrites the registers P_{j-1} V_{j-1} reads.
         p_op = gl.convert_layout(p.to(p_prev.dtype), p_prev.type.layout)
@@ -353,7 +354,7 @@ if gluon is not None:
                                                _band_edge(row0, t0, win_left, win_right, BLOCK_N), win_left,
                                                win_right, True)
         else:
-            p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, 0, False)
+            p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, 0, False, False, 0, 0, False)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, n_loop):
             if WINDOW:
@@ -364,12 +365,13 @@ if gluon is not None:
             else:
                 acc, p_op, alpha, m_i, l_i = _overlap_step(j, p_op, acc, alpha, m_i, l_i, q_wg, k_smem, v_smem,
                                                            k_ready, v_ready, k_empty, v_empty, s_zero, qk_scale,
-                                                           rows, False, EARLY_K)
+                                                           rows, False, EARLY_K, j, False, 0, 0, False)
         if CAUSAL:
             if n_tiles > 1:
                 acc, p_op, alpha, m_i, l_i = _overlap_step(n_tiles - 1, p_op, acc, alpha, m_i, l_i, q_wg, k_smem,
                                                            v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
-                                                           qk_scale, rows, True, EARLY_K)
+                                                           qk_scale, rows, True, EARLY_K, n_tiles - 1, False, 0, 0,
+                                                           False)
         # The last P V.
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         sl = (n_tiles - 1) % STAGES
@@ -401,7 +403,9 @@ if gluon is not None:
         gl.store(lse2_ptr + offs, lse2)
         tma.store_wait(0)
 
-    @gluon.jit
+    # The window bounds are compared, never indexed with: no specialisation (1 and multiples of 16 would each be a
+    # compile of their own).
+    @gluon.jit(do_not_specialize=["win_left", "win_right"])
     def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, group,
                          qk_scale, win_left, win_right, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                          STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EARLY_K: gl.constexpr):

@@ -82,7 +82,7 @@ WINDOWS = [
     Case(b=1, sq=1024, sk=1024, hq=4, hkv=2, d=128, window=(200, 0)),     # GQA, a band not a tile multiple
     Case(b=1, sq=640, sk=640, hq=2, hkv=2, d=64, window=(100, 37)),      # two-sided
     Case(b=2, sq=384, sk=384, hq=2, hkv=1, d=64, window=(-1, 5)),        # right bound only, MQA
-    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, window=(1000, 1000)),  # wider than the sequence
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, window=(300, 300)),      # a window kind that hides nothing (300 > S)
     Case(b=2, sq=300, sk=300, hq=2, hkv=2, d=128, window=(17, 3)),       # ragged, narrower than a tile
     Case(b=1, sq=1500, sk=1500, hq=4, hkv=4, d=64, window=(511, 0)),     # ragged, several tiles
 ]
