@@ -16,6 +16,8 @@ Implementations (each cell says why one cannot run it):
     builtin         flashport's built-in path for the same mask where one exists (varlen for documents, alibi_slopes
                     for ALiBi, causal=True), backend=None
     fa4             FlashAttention-4's built-in path where one exists (varlen, causal, a window without sinks)
+    builtin-fa4     flashport's built-in path through its `fa4` backend (what backend=None runs where the table picks
+                    FA4): its cost over `fa4` is the backend's own (PERFLOG row 80)
     sdpa-mask       F.scaled_dot_product_attention with the mask or bias materialised (S x S), where it fits
 
 TFLOP/s over the visible pairs (FlashAttention's convention: 4 * visible * D forward, 2.5x that backward).  The
@@ -29,7 +31,8 @@ from typing import Callable, Optional
 
 import torch
 
-IMPLS = ("flashport", "flashport-flex", "flashport-triton", "flex", "flex-flash", "builtin", "fa4", "sdpa-mask")
+IMPLS = ("flashport", "flashport-flex", "flashport-triton", "flex", "flex-flash", "builtin", "fa4", "builtin-fa4",
+         "sdpa-mask")
 DEFAULT_IMPLS = IMPLS
 
 
@@ -155,6 +158,15 @@ def implementation(impl: str, case: Case, q, k, v):
         if case.window is not None:
             raise NotServed("the built-in window has no sink tokens")
         raise NotServed("no built-in equivalent")
+    if impl == "builtin-fa4":
+        _fa4()
+        if case.score_mod is not None or case.bias is not None:
+            raise NotServed("FA4's built-ins have no score_mod or bias equal to this case")
+        if case.docs is not None:
+            return _varlen(case, lambda *a, **kw: flashport.attention_varlen(*a, causal=True, backend="fa4", **kw))
+        if case.builtin.get("causal"):
+            return lambda q, k, v: flashport.attention(q, k, v, causal=True, backend="fa4")
+        raise NotServed("no FA4 built-in equal to this mask")
     if impl == "fa4":
         fa4 = _fa4()
         if case.score_mod is not None or case.bias is not None:

@@ -4,8 +4,8 @@
 #   PART=a (carry .fa4a): FA4 step 1; the Hopper forward's and backward's GPU tiers with their window cases
 #          (PERFLOG rows 78, 79: test_window_calls_conform sets FLASHPORT_HOPPER_{FWD,BWD}_WINDOW=1), then
 #          tools/gpu/probe_window.py (the rows' timings: neither switch, the backward's, both; one process)
-#   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; the programmable suite with every peer, both window
-#          switches on where part a found the window tests green (WINDOW=1)
+#   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; the programmable suite with every peer (builtin-fa4: row
+#          80, FA4's varlen through the backend), both window switches on where part a found them green (WINDOW=1)
 #   PART=c (FA4 still installed): the rest of the GPU tier, file by file, with a fresh machine's limits
 #   PART=d: the programmable GPU tier, one limit per test (mods fuzz counts 100 / 40 / 40)
 SESSION=s23; . "$(dirname "$0")/session.sh"
@@ -20,7 +20,7 @@ b)
   fa4_step2
   mkdir -p "$R/programmable"
   FLASHPORT_HOPPER_FWD_WINDOW=${WINDOW:-0} FLASHPORT_HOPPER_BWD_WINDOW=${WINDOW:-0} timeout ${MASK_SECONDS:-420} python -m flashport bench --suite programmable \
-      --out "$R/programmable" --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin 2>&1 \
+      --out "$R/programmable" --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin,builtin-fa4 2>&1 \
       | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
   echo "programmable rc=${PIPESTATUS[0]}"; grep -E " ok | failed " "$R/programmable/bench.log" | cut -c1-110
   ;;
