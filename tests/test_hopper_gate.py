@@ -96,11 +96,14 @@ def test_length_floor_table_is_per_head_dim(on_hopper, monkeypatch):
 def test_tile_table_fits_sm90_and_the_causal_diagonal():
     """Every head dim's tiles: BLOCK_N divides the 128-row Q tile and is a multiple of a warpgroup's 64 rows
     (each warpgroup then meets the diagonal in exactly one key tile), the Q tile + K/V ring fit sm_90's
-    shared memory, and the setmaxnreg counts fit the register file (two consumer warpgroups + the producer)."""
+    shared memory, and the setmaxnreg counts fit the register file (two consumer warpgroups + the producer).  A
+    head dim that is not a power of two splits into two that are (Gluon's tensors must be)."""
     from flashport.kernels import attn_fwd_hopper as h
-    assert set(h.TILES) == {64, 128, 256}
+    assert set(h.TILES) == {64, 80, 96, 128, 256}
+    pow2 = lambda n: n > 0 and n & (n - 1) == 0   # noqa: E731
     for d, t in h.TILES.items():
         assert h.TILE % t.block_n == 0 and t.block_n % h.BLOCK_M == 0, (d, t)
+        assert (pow2(d) and t.split == 0) or (pow2(d - t.split) and pow2(t.split) and t.split % 16 == 0), (d, t)
         smem = 2 * (h.TILE * d + 2 * t.stages * t.block_n * d)
         assert smem <= SM90_SMEM - 1024, (d, t, smem)                          # barriers + alignment slack
         assert 2 * t.consumer_regs * 128 + 24 * 128 <= 65536 and t.consumer_regs % 8 == 0, (d, t)
@@ -131,9 +134,9 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, d, on_h
                          alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
     with pytest.warns(RuntimeWarning, match="failed to compile"):
         assert attn_fwd_hopper.forward(spec, q, q, q) is None
-    assert "ptxas: unsupported" in attn_fwd_hopper.broken[(torch.bfloat16, d, "causal", q.device)]
+    assert "ptxas: unsupported" in attn_fwd_hopper.broken[(torch.bfloat16, d, "causal", False, q.device)]
     gpu_spec, gq, gk, gv = _spec(d=d, causal=True, s=16384)   # above every floor
-    attn_fwd_hopper.broken[(gpu_spec.dtype, d, "causal", gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
+    attn_fwd_hopper.broken[(gpu_spec.dtype, d, "causal", False, gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
     assert "failed to compile" in attn_fwd_hopper.reasons(gpu_spec, gq, gk, gv)[0]
     gpu_spec, gq, gk, gv = _spec(d=128, causal=True)
     assert attn_fwd_hopper.reasons(gpu_spec, gq, gk, gv) == []         # another head dim is unaffected
@@ -190,3 +193,47 @@ def test_windows_pass_the_gate_only_behind_their_switch_and_with_sq_equal_sk(mon
         assert on_hopper.reasons(spec, q, k, v) == [], kw
     spec, q, k, v = _spec(window=(256, 0), s=4096, sk=8192)
     assert "Sq == Sk" in on_hopper.reasons(spec, q, k, v)[0]
+
+
+def test_two_part_head_dims_pass_the_gate_only_behind_their_switch(monkeypatch, on_hopper):
+    """D=80 and D=96 run as two power-of-two column parts (TILES' split), behind FLASHPORT_HOPPER_FWD_SPLIT=1; the
+    launch then carries a second set of descriptors for the parts' columns."""
+    for d in (80, 96):
+        spec, q, k, v = _spec(d=d)
+        assert "FLASHPORT_HOPPER_FWD_SPLIT" in on_hopper.reasons(spec, q, k, v)[0]
+    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_SPLIT", "1")
+    for d, parts in ((80, (64, 16)), (96, (64, 32))):
+        spec, q, k, v = _spec(d=d, hq=8, hkv=2, causal=True)
+        assert on_hopper.reasons(spec, q, k, v) == []
+        q, k, v = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))   # descriptors read strides only
+        out, lse = torch.empty_like(q), torch.empty(1, 8, q.shape[1])
+        grid, args, meta = on_hopper.launch_args(spec, q, k, v, out, lse, lse)
+        assert meta["SPLIT"] and meta["HEAD_DIM"] == d and grid == (q.shape[1] // on_hopper.TILE, 8)
+        assert [a.block_shape[1] for a in args[:8]] == [parts[0]] * 4 + [parts[1]] * 4
+    spec, q, k, v = _spec(d=128)
+    q, k, v = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
+    _, args, meta = on_hopper.launch_args(spec, q, k, v, torch.empty_like(q), None, None)
+    assert not meta["SPLIT"] and [a.block_shape[1] for a in args[:8]] == [128] * 8
+
+
+def test_alibi_passes_the_forward_gate_only_behind_its_switch(monkeypatch, on_hopper):
+    """FLASHPORT_HOPPER_FWD_ALIBI=1 opens the forward to ALiBi slopes (the backward's gate stays shut: the Triton
+    kernels recompute P with the same formula); the launch then carries the slopes and their batch stride."""
+    from flashport.kernels import attn_bwd_hopper
+    slopes = torch.rand(2, 8)
+    q = torch.empty(2, 1024, 8, 128, dtype=torch.bfloat16)
+    k = torch.empty(2, 1024, 2, 128, dtype=torch.bfloat16)
+    spec, _ = dense_spec(q, k, k, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=slopes, dropout_p=0.0, deterministic=False, return_lse=False)
+    gpu = dataclasses.replace(spec, device=torch.device("cuda", 0))
+    assert "ALiBi" in on_hopper.reasons(gpu, q, k, k)[0]
+    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_ALIBI", "1")
+    assert on_hopper.reasons(gpu, q, k, k) == []
+    assert "ALiBi" in attn_bwd_hopper.spec_reasons(gpu)[0]
+    lse = torch.empty(2, 8, 1024)
+    _, args, meta = on_hopper.launch_args(spec, q, k, k, torch.empty_like(q), lse, lse, slopes)
+    assert meta["ALIBI"] and args[-2] is not lse and args[-1] == 8
+    _, args, meta = on_hopper.launch_args(spec, q, k, k, torch.empty_like(q), lse, lse, slopes[0])
+    assert meta["ALIBI"] and args[-1] == 0                     # [Hq] slopes: no batch stride
+    _, args, meta = on_hopper.launch_args(spec, q, k, k, torch.empty_like(q), lse, lse)
+    assert not meta["ALIBI"]

@@ -40,7 +40,9 @@ def test_tuned_kernels_use_hgmma_without_spills(tmp_path, d, gqa):
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="Triton's bundled cuobjdump is missing")
 def test_hopper_forward_compiles_to_hgmma_and_tma_without_spills(tmp_path):
     """The Gluon forward (kernels/attn_fwd_hopper.py) has no interpreter: this is its CPU-side check, for
-    every head dim of its tile table, no mask, causal and a window: HGMMA, TMA loads, setmaxnreg, no spills, the
+    every head dim of its tile table (80 and 96 as two column parts), no mask, causal, a window and causal with
+    ALiBi: HGMMA, TMA
+    loads, setmaxnreg, no spills, the
     registers it touches within the consumers' setmaxnreg count, shared memory within sm_90's opt-in."""
     pytest.importorskip("triton.experimental.gluon")
     out = tmp_path / "report.json"
@@ -50,7 +52,9 @@ def test_hopper_forward_compiles_to_hgmma_and_tma_without_spills(tmp_path):
                           text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [r for r in json.loads(out.read_text()) if r["kernel"] == "fwd_hopper"]
-    assert [(r["d"], r["causal"]) for r in rows] == [(d, c) for d in (64, 128, 256) for c in (False, True, "window")]
+    assert [(r["d"], r["causal"]) for r in rows] == [(d, c) for d in (64, 80, 96, 128, 256)
+                                                     for c in (False, True, "window", "alibi")
+                                                     if c != "alibi" or d != 256]    # ALIBI_HEAD_DIMS
     for r in rows:
         assert "error" not in r, r["error"]
         ops = r["sass_ops"]

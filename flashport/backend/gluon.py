@@ -1,9 +1,10 @@
 """Backend `gluon`: flashport's Hopper kernels in Gluon (Triton's lower-level dialect), FlashAttention-3's
 schedules on sm_90.
 
-Serves: dense bf16 / fp16 calls with q/k and v of one head dim, causal with Sq == Sk, no softcap, ALiBi or
-dropout, GQA included; sliding windows with Sq == Sk where FLASHPORT_HOPPER_FWD_WINDOW=1 /
-FLASHPORT_HOPPER_BWD_WINDOW=1 (off until a GPU run checks them; the Triton kernels serve windows otherwise).
+Serves: dense bf16 / fp16 calls with q/k and v of one head dim, causal with Sq == Sk, no softcap or dropout,
+GQA included.  Behind switches, off until a GPU run checks them (the Triton kernels serve these calls otherwise):
+sliding windows with Sq == Sk (FLASHPORT_HOPPER_FWD_WINDOW=1 / FLASHPORT_HOPPER_BWD_WINDOW=1), and in the forward
+ALiBi (FLASHPORT_HOPPER_FWD_ALIBI=1) and head dims 80 / 96 (FLASHPORT_HOPPER_FWD_SPLIT=1).
 - forward (kernels/attn_fwd_hopper.py): D = 64, 128 or 256, Sq and Sk multiples of 128, lse returned;
 - backward (kernels/attn_bwd_hopper.py): D = 64 or 128, Sq and Sk >= 128 (ragged lengths masked),
   deterministic=False only (dQ is summed by TMA reduce-adds in arrival order).
@@ -19,7 +20,7 @@ from ..spec import AttnSpec
 from ..kernels import versions
 from .triton import TritonBackend, _interpreting
 
-FWD_HEAD_DIMS = (64, 128, 256)
+FWD_HEAD_DIMS = (64, 80, 96, 128, 256)   # 80, 96: two column parts (attn_fwd_hopper.TILES), behind their switch
 BWD_HEAD_DIMS = (64, 128)
 
 
@@ -28,13 +29,13 @@ class GluonBackend(TritonBackend):
     name = "gluon"
     hopper = True
     caps = Capabilities(devices=("cuda",), dtypes=("float16", "bfloat16"), head_dims=FWD_HEAD_DIMS, dv_ne_d=False,
-                        kinds=("dense",), mask_kinds=("none", "causal", "window"), softcap=False, alibi=False,
-                        dropout=False,
-                        deterministic=False, min_capability=(9, 0), max_capability=(9, 0),
+                        kinds=("dense",), mask_kinds=("none", "causal", "window"), softcap=False, alibi=True,
+                        dropout=False, deterministic=False, min_capability=(9, 0), max_capability=(9, 0),
                         triton_versions=versions.TESTED_TRITON,
                         notes=("forward: Sq and Sk multiples of 128; causal needs Sq == Sk; windows (Sq == Sk) where "
-                               "FLASHPORT_HOPPER_FWD_WINDOW=1",
-                               f"backward: head dims {', '.join(map(str, BWD_HEAD_DIMS))}, Sq and Sk >= 128; "
+                               "FLASHPORT_HOPPER_FWD_WINDOW=1; ALiBi where FLASHPORT_HOPPER_FWD_ALIBI=1; D = 80 / 96 "
+                               "where FLASHPORT_HOPPER_FWD_SPLIT=1",
+                               f"backward: head dims {', '.join(map(str, BWD_HEAD_DIMS))}, Sq and Sk >= 128, no ALiBi; "
                                "windows (Sq == Sk) where FLASHPORT_HOPPER_BWD_WINDOW=1",
                                "static preference (no table): forward from attn_fwd_hopper.MIN_KEYS keys"))
 

@@ -40,7 +40,7 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 # the same on a machine without it).  tests/gpu/test_fuzz_gpu.py checks them against the modules:
 # attn_fwd_hopper.TILE / MIN_KEYS / MIN_KEYS_CAUSAL / TILES, attn_bwd_hopper.BLOCK_N / DEFAULT.
 HOPPER_FWD_TILE = 128
-HOPPER_FWD_MIN_KEYS = {64: 16384, 128: 512, 256: 512}   # D=64 starts past this fuzzer's length bound
+HOPPER_FWD_MIN_KEYS = {64: 16384, 80: 512, 96: 512, 128: 512, 256: 512}   # D=64 starts past the length bound
 HOPPER_BWD_BLOCK_N = 128
 HOPPER_BWD_DIMS = (64, 128)
 
@@ -276,15 +276,17 @@ def _attention(rng, c: FuzzCase, r: Recipe, prof: Profile) -> None:
         _window(rng, c, r.mask, c.sq + c.sk)
         return
     causal = r.mask == "causal"
+    band = r.mask in ("left", "right", "both")   # the Gluon kernels' windows: Sq == Sk, drawn after the sizes
+    square = causal or band
     if r.regime == "gluon_fwd":
         floor = HOPPER_FWD_MIN_KEYS[c.d] // HOPPER_FWD_TILE
         c.sq = HOPPER_FWD_TILE * _log_uniform_int(rng, floor, 32)
-        c.sk = c.sq if causal or rng.random() < 0.4 else HOPPER_FWD_TILE * _log_uniform_int(rng, floor, 64)
+        c.sk = c.sq if square or rng.random() < 0.4 else HOPPER_FWD_TILE * _log_uniform_int(rng, floor, 64)
         _grad_options(rng, c, p_grads=0.5)
     elif r.regime == "gluon_bwd":
         lo = HOPPER_BWD_BLOCK_N
         c.sq = _in_class(rng.choice((lo * rng.randint(1, 16), rng.randint(lo, 2100))), r.qclass, prof.max_len)
-        c.sk = c.sq if causal or rng.random() < 0.4 else rng.choice((lo * rng.randint(1, 24), rng.randint(lo, 3000)))
+        c.sk = c.sq if square or rng.random() < 0.4 else rng.choice((lo * rng.randint(1, 24), rng.randint(lo, 3000)))
         _grad_options(rng, c, p_grads=1.0)
         c.deterministic = False
     else:
@@ -298,9 +300,11 @@ def _attention(rng, c: FuzzCase, r: Recipe, prof: Profile) -> None:
     # (the recipes' heads keep the largest Gluon shapes, 4096 x 8192 at B = Hq = 1, inside the bound;
     # otherwise the keys shrink by whole tiles)
     while c.hq * c.sq * c.sk > prof.work and c.sk > HOPPER_FWD_TILE:
-        c.sk = c.sq if causal else max(HOPPER_FWD_TILE, (c.sk // 2) - (c.sk // 2) % HOPPER_FWD_TILE)
-        if causal:
+        c.sk = c.sq if square else max(HOPPER_FWD_TILE, (c.sk // 2) - (c.sk // 2) % HOPPER_FWD_TILE)
+        if square:
             c.sq = c.sk = max(HOPPER_FWD_TILE, (c.sq // 2) - (c.sq // 2) % 16)
+    if band:
+        _window(rng, c, r.mask, c.sq + c.sk)
 
 
 def _varlen(rng, c: FuzzCase, r: Recipe, prof: Profile) -> None:

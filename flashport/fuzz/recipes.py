@@ -154,17 +154,27 @@ def _hopper_recipes(rng: random.Random, prof: Profile, dtypes) -> list:
     if not sixteen:
         return []
     out = []
-    # (regime, head dim, causal): each Gluon kernel at its head dims, with and without the causal mask
-    plan = (("gluon_fwd", 128, False), ("gluon_fwd", 128, True), ("gluon_fwd", 256, False), ("gluon_fwd", 256, True),
-            ("gluon_bwd", 64, False), ("gluon_bwd", 64, True), ("gluon_bwd", 128, False), ("gluon_bwd", 128, True),
-            ("gate", 128, rng.random() < 0.5), ("gate", 64, rng.random() < 0.5))
+    # (regime, head dim, mask): each Gluon kernel at its head dims, with and without the causal mask; the forward's
+    # two-part head dims (80, 96) and both kernels' windows (Sq == Sk), which run on the Gluon kernels where
+    # FLASHPORT_HOPPER_FWD_SPLIT / FLASHPORT_HOPPER_{FWD,BWD}_WINDOW are on and on the Triton ones otherwise
+    plan = (("gluon_fwd", 128, "none"), ("gluon_fwd", 128, "causal"), ("gluon_fwd", 256, "none"),
+            ("gluon_fwd", 256, "causal"), ("gluon_bwd", 64, "none"), ("gluon_bwd", 64, "causal"),
+            ("gluon_bwd", 128, "none"), ("gluon_bwd", 128, "causal"),
+            ("gate", 128, rng.choice(("none", "causal"))), ("gate", 64, rng.choice(("none", "causal"))),
+            ("gluon_fwd", 96, rng.choice(("none", "causal"))), ("gluon_fwd", 80, rng.choice(("none", "causal"))),
+            ("gluon_fwd", rng.choice((96, 128, 256)), rng.choice(("left", "both"))),
+            ("gluon_bwd", rng.choice((64, 128)), rng.choice(("left", "right", "both"))))
     dts = _spread(rng, sixteen, len(plan))
-    for i, (regime, d, causal) in enumerate(plan):
+    for i, (regime, d, mask) in enumerate(plan):
         hq, hkv = _heads_for(rng, prof, rng.choice(prof.ratios), False)
         qclass = "m16" if regime == "gluon_fwd" else rng.choice(("n16", "m16"))
-        out.append(Recipe(entry="attention", regime=regime, dtype=dts[i], d=d, dv=d, hq=hq, hkv=hkv,
-                          mask="causal" if causal else "none", qclass=qclass,
-                          scale="custom" if rng.random() < 0.25 else "default"))
+        out.append(Recipe(entry="attention", regime=regime, dtype=dts[i], d=d, dv=d, hq=hq, hkv=hkv, mask=mask,
+                          qclass=qclass, scale="custom" if rng.random() < 0.25 else "default"))
+    # ALiBi on the Gluon forward (FLASHPORT_HOPPER_FWD_ALIBI), its backward on the Triton kernels
+    hq, hkv = _heads_for(rng, prof, rng.choice(prof.ratios), False)
+    d = rng.choice((96, 128))
+    out.append(Recipe(entry="attention", regime="gluon_fwd", dtype=rng.choice(sixteen), d=d, dv=d, hq=hq, hkv=hkv,
+                      mask=rng.choice(("none", "causal")), alibi=rng.choice(("head", "batch_head")), qclass="m16"))
     return out
 
 

@@ -215,7 +215,7 @@ def forward(spec, q, k, v, alibi=None, cu_seqlens_q=None, cu_seqlens_k=None, rng
     varlen = spec.kind == "varlen"
     if hopper:
         why = attn_fwd_hopper.tensor_reasons(q, k, v)
-        result = None if why else attn_fwd_hopper.forward(spec, q, k, v)
+        result = None if why else attn_fwd_hopper.forward(spec, q, k, v, alibi=alibi)
         if result is not None:
             return result
         attn_fwd_hopper.fallbacks[why[0] if why else "compile failure"] += 1

@@ -70,6 +70,7 @@ class Tiles(NamedTuple):
     stages: int         # K/V ring depth
     consumer_regs: int  # setmaxnreg of each consumer warpgroup (FA3's 240 at every head dim)
     early_k: bool       # release K_j once Q K_j^T retired (its own barrier), not with V_j after P V
+    split: int = 0      # a head dim that is not a power of two runs as two parts, D - split and split columns
 
 
 TILES = {
@@ -78,13 +79,20 @@ TILES = {
     # 64 KiB Q + 2 x 64 KiB = 192 KiB (BLOCK_N = 128 fits one stage only and spills; a third stage needs
     # 256 KiB); acc 128 + S 32.  Two stages: K_{j+2} can only load early if K_j is released early.
     256: Tiles(64, 2, 240, True),
+    # Not powers of two (ViT / DiT heads): two column parts, 64 + 16 and 64 + 32, each a power of two as Gluon's
+    # tensors must be; S_j is the sum of the parts' products (chained wgmma) and the output has an accumulator
+    # per part, so no dot is padded.  80: 20 KiB Q + 4 x 40 KiB; 96: 24 KiB Q + 3 x 48 KiB.  Behind
+    # FLASHPORT_HOPPER_FWD_SPLIT=1 until a GPU run checks them (PERFLOG row 81).
+    80: Tiles(128, 4, 240, False, 16),
+    96: Tiles(128, 3, 240, False, 32),
 }
 assert all(TILE % t.block_n == 0 and t.block_n % BLOCK_M == 0 for t in TILES.values())
 # Shortest sequences served, per head dim (non-causal / causal): from there on the Gluon kernel beat the Triton
 # one in the same-run A/B (tools/gpu/hopper_fwd_ab.py --suggest; PERFLOG row 18).  Sq is held to the same floor.
-MIN_KEYS = {64: 16384, 128: 512, 256: 512}
-MIN_KEYS_CAUSAL = {64: 16384, 128: 512, 256: 512}
+MIN_KEYS = {64: 16384, 80: 512, 96: 512, 128: 512, 256: 512}        # 80, 96: D=128's, not yet measured
+MIN_KEYS_CAUSAL = {64: 16384, 80: 512, 96: 512, 128: 512, 256: 512}
 MAX_GRID_Y = 65535      # CUDA's limit on the grid's second dimension (here batch * heads)
+ALIBI_HEAD_DIMS = (64, 80, 96, 128)   # D=256 with ALiBi spills 8 bytes on sm_90a (compile report, 22nd session)
 
 
 def enabled() -> bool:
@@ -118,13 +126,14 @@ def window_bounds(spec) -> tuple[int, int]:
     return (spec.window_left if spec.window_left >= 0 else far), (spec.window_right if spec.window_right >= 0 else far)
 
 
-def feature_reasons(spec, windows: bool = False) -> list[str]:
+def feature_reasons(spec, windows: bool = False, alibi: bool = False) -> list[str]:
     """The call features both Hopper kernels (this forward and kernels/attn_bwd_hopper.py) leave to the
     Triton kernels: the first one present, or [] for a plain bf16/fp16 call, causal only with Sq == Sk.
-    windows: the caller's window switch is on (FLASHPORT_HOPPER_{FWD,BWD}_WINDOW), so windows with Sq == Sk pass."""
+    windows / alibi: the caller's switch is on (FLASHPORT_HOPPER_{FWD,BWD}_WINDOW, FLASHPORT_HOPPER_FWD_ALIBI),
+    so windows with Sq == Sk / ALiBi slopes pass."""
     if spec.dtype not in (torch.bfloat16, torch.float16):
         return ["bfloat16 / float16 only"]
-    if spec.softcap > 0 or spec.alibi is not None or spec.dropout_p > 0 or spec.softmax_scale <= 0:
+    if spec.softcap > 0 or (spec.alibi is not None and not alibi) or spec.dropout_p > 0 or spec.softmax_scale <= 0:
         return ["no softcap, ALiBi or dropout; positive softmax scale"]
     kind = spec.visibility.kind
     if kind == "window" and not windows:
@@ -161,7 +170,12 @@ def spec_reasons(spec, length_floor: bool = True) -> list[str]:
         return [f"head dim {' / '.join(map(str, TILES))} only (q/k and v alike)"]
     if spec.kind != "dense" or spec.device.type != "cuda":
         return ["dense CUDA tensors only"]
-    plain = feature_reasons(spec, windows=env.flag("FLASHPORT_HOPPER_FWD_WINDOW"))
+    if spec.alibi is not None and d not in ALIBI_HEAD_DIMS:
+        return [f"ALiBi at head dims {' / '.join(map(str, ALIBI_HEAD_DIMS))} (at D={d} its registers spill)"]
+    if TILES[d].split and not env.flag("FLASHPORT_HOPPER_FWD_SPLIT"):
+        return [f"head dim {d} runs as two column parts, behind FLASHPORT_HOPPER_FWD_SPLIT=1 until a GPU run checks it"]
+    plain = feature_reasons(spec, windows=env.flag("FLASHPORT_HOPPER_FWD_WINDOW"),
+                            alibi=env.flag("FLASHPORT_HOPPER_FWD_ALIBI"))
     if plain:
         return plain
     floor = min_keys(d, is_causal(spec)) if length_floor else 0
@@ -175,7 +189,7 @@ def spec_reasons(spec, length_floor: bool = True) -> list[str]:
         return [f"batch * heads must be in [1, {MAX_GRID_Y}]"]
     if not enabled():
         return [f"Gluon (Triton {tested_text()}) unavailable or FLASHPORT_HOPPER_FWD=0"]
-    failed = broken.get((spec.dtype, d, spec.visibility.kind, spec.device))
+    failed = broken.get(variant_key(spec))
     if failed:
         return ["failed to compile here: " + failed]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
@@ -190,22 +204,30 @@ if gluon is not None:
     # HEAD_DIM of the K/V ring, so every partition reads them off its shared-memory descriptors.
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                  seqlen_q, seqlen_k, heads_q, group, win_left, win_right, CAUSAL: gl.constexpr,
-                  WINDOW: gl.constexpr, EARLY_K: gl.constexpr):
+    def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q1_desc, k1_desc, v1_desc, q1_smem, k1_smem,
+                  v1_smem, q_ready, k_ready, v_ready, k_empty, v_empty, seqlen_q, seqlen_k, heads_q, group, win_left,
+                  win_right, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                  EARLY_K: gl.constexpr, SPLIT: gl.constexpr):
         """TMA issue: the Q tile once, then K_j / V_j into stage j % STAGES, each once both consumers freed
         that stage's K (resp. V) tile (EARLY_K; otherwise k_empty is v_empty and one wait covers both).
-        WINDOW: the key tiles t0 + j of the Q tile's band (_key_tiles)."""
+        WINDOW: the key tiles t0 + j of the Q tile's band (_key_tiles).  SPLIT: each tile in two column parts
+        (q_smem / q1_smem ...: head columns [0, D0) and [D0, HEAD_DIM)), both on the tile's one barrier."""
         TILE: gl.constexpr = q_smem.shape[0]
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
-        HEAD_DIM: gl.constexpr = k_smem.shape[2]
+        D0: gl.constexpr = k_smem.shape[2]
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)    # heaviest causal tiles first
         pid_bh = gl.program_id(1)
         b = pid_bh // heads_q
         h = pid_bh % heads_q
-        mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-        tma.async_copy_global_to_shared(q_desc, [b * seqlen_q + pid_m * TILE, h * HEAD_DIM], q_ready, q_smem)
+        q_row = b * seqlen_q + pid_m * TILE
+        if SPLIT:
+            mbarrier.expect(q_ready, q_desc.block_type.nbytes + q1_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_ready, q_smem)
+            tma.async_copy_global_to_shared(q1_desc, [q_row, h * HEAD_DIM + D0], q_ready, q1_smem)
+        else:
+            mbarrier.expect(q_ready, q_desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_ready, q_smem)
         kv_row = b * seqlen_k
         kv_col = (h // group) * HEAD_DIM
         n_tiles = seqlen_k // BLOCK_N
@@ -216,14 +238,25 @@ if gluon is not None:
             kv_row += t0 * BLOCK_N
         for j in range(n_tiles):
             s = j % STAGES
+            row = kv_row + j * BLOCK_N
             # First lap: a fresh barrier's parity 1 counts as completed, so the ring starts empty.
             mbarrier.wait(k_empty.index(s), ((j // STAGES) & 1) ^ 1)
-            mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(k_desc, [kv_row + j * BLOCK_N, kv_col], k_ready.index(s), k_smem.index(s))
+            if SPLIT:
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + k1_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+                tma.async_copy_global_to_shared(k1_desc, [row, kv_col + D0], k_ready.index(s), k1_smem.index(s))
+            else:
+                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
             if EARLY_K:
                 mbarrier.wait(v_empty.index(s), ((j // STAGES) & 1) ^ 1)
-            mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(v_desc, [kv_row + j * BLOCK_N, kv_col], v_ready.index(s), v_smem.index(s))
+            if SPLIT:
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + v1_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+                tma.async_copy_global_to_shared(v1_desc, [row, kv_col + D0], v_ready.index(s), v1_smem.index(s))
+            else:
+                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
+                tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
 
     @gluon.jit
     def _key_tiles(pid_m, seqlen_k, win_left, win_right, TILE: gl.constexpr, BLOCK_N: gl.constexpr):
@@ -240,12 +273,13 @@ if gluon is not None:
 
     @gluon.jit
     def _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED: gl.constexpr, edge, win_left, win_right,
-                      WINDOW: gl.constexpr):
+                      WINDOW: gl.constexpr, slope2, diag, ALIBI: gl.constexpr):
         """Online-softmax update of key tile j in the log2 domain -> (p fp32, alpha, m_new, l_new).  MASKED:
         the causal diagonal tile (key j * BLOCK_N + c visible to row r iff it is <= r).  WINDOW: keys outside
         r - win_left .. r + win_right masked where the tile crosses the band's edge (`edge`), and a row that has
         seen no key yet (max -inf) keeps p = alpha = 0 instead of exp2(-inf + inf).  No defaults: a window call
-        that left out `edge` would skip its mask silently."""
+        that left out `edge` would skip its mask silently.  ALIBI: the log2-domain scores less slope2 * |r + diag
+        - c| (kernels/common.transform_log2's formula, so the Triton backward recomputes the same P)."""
         BLOCK_N: gl.constexpr = s_ij.shape[1]
         if MASKED:
             cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_ij.type.layout))
@@ -255,66 +289,97 @@ if gluon is not None:
                 cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_ij.type.layout))
                 seen = (cols[None, :] + win_left >= rows[:, None]) & (cols[None, :] <= rows[:, None] + win_right)
                 s_ij = gl.where(seen, s_ij, float("-inf"))
-        m_new = gl.maximum(m_i, gl.max(s_ij, axis=1) * qk_scale)
+        if ALIBI:   # the bias differs per element: scale first, then the row max
+            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_ij.type.layout))
+            # |r + diag - c| in float32: exact below 2^24, and one FADD per score instead of integer ops
+            dist = gl.abs(cols.to(gl.float32)[None, :] - (rows + diag).to(gl.float32)[:, None])
+            s_ij = s_ij * qk_scale - slope2 * dist
+            m_new = gl.maximum(m_i, gl.max(s_ij, axis=1))
+        else:
+            m_new = gl.maximum(m_i, gl.max(s_ij, axis=1) * qk_scale)
         if WINDOW:
             m_use = gl.where(m_new == float("-inf"), 0.0, m_new)
         else:
             m_use = m_new
-        p = gl.exp2(s_ij * qk_scale - m_use[:, None])
+        if ALIBI:
+            p = gl.exp2(s_ij - m_use[:, None])
+        else:
+            p = gl.exp2(s_ij * qk_scale - m_use[:, None])
         alpha = gl.exp2(m_i - m_use)
         l_new = l_i * alpha + gl.sum(p, axis=1)
         return p, alpha, m_new, l_new
 
     @gluon.jit
-    def _overlap_step(j, p_prev, acc, alpha, m_i, l_i, q_wg, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty,
-                      s_zero, qk_scale, rows, MASKED: gl.constexpr, EARLY_K: gl.constexpr, kt, edge, win_left,
-                      win_right, WINDOW: gl.constexpr):
+    def _overlap_step(j, p_prev, acc, acc1, alpha, m_i, l_i, q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem, k_ready,
+                      v_ready, k_empty, v_empty, s_zero, qk_scale, rows, MASKED: gl.constexpr, EARLY_K: gl.constexpr,
+                      kt, edge, win_left, win_right, WINDOW: gl.constexpr, SPLIT: gl.constexpr, slope2, diag,
+                      ALIBI: gl.constexpr):
         """Key tile j of the ring: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together; the softmax of
-        S_j runs while the P V matmul is still on the tensor cores.  Returns (acc, P_j as an operand, alpha_j,
-        m, l).  WINDOW: ring tile j is key tile kt, masked where `edge`."""
+        S_j runs while the P V matmul is still on the tensor cores.  Returns (acc, acc1, P_j as an operand,
+        alpha_j, m, l).  WINDOW: ring tile j is key tile kt, masked where `edge`.  SPLIT: S_j sums the two
+        column parts' products (chained wgmma), and acc1 holds the output's second part (P V1)."""
         STAGES: gl.constexpr = k_smem.shape[0]
         o_layout: gl.constexpr = acc.type.layout
         s = j % STAGES
         sp = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
         s_tok = warpgroup_mma(q_wg, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if SPLIT:
+            s_tok = warpgroup_mma(q1_wg, k1_smem.index(s).permute((1, 0)), s_tok, is_async=True)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, o_layout))[:, None]   # while S_j runs
+        if SPLIT:
+            acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, acc1.type.layout))[:, None]
         mbarrier.wait(v_ready.index(sp), ((j - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p_prev, v_smem.index(sp), acc, is_async=True)
-        s_ij = warpgroup_mma_wait(1, deps=[s_tok])          # retire S_j only: the P V keeps running
+        if SPLIT:
+            p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc1.type.layout, k_width=2)
+            o1_tok = warpgroup_mma(gl.convert_layout(p_prev, p1_layout), v1_smem.index(sp), acc1, is_async=True)
+            s_ij = warpgroup_mma_wait(2, deps=[s_tok])      # retire S_j only: both P V parts keep running
+        else:
+            s_ij = warpgroup_mma_wait(1, deps=[s_tok])      # retire S_j only: the P V keeps running
         if EARLY_K:
             mbarrier.arrive(k_empty.index(s), count=1)      # K_j is read: its stage may refill
         if WINDOW:
             p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, kt, False, edge, win_left, win_right,
-                                               True)
+                                               True, slope2, diag, ALIBI)
         else:
-            p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED, False, 0, 0, False)
-        acc = warpgroup_mma_wait(0, deps=[o_tok])
+            p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED, False, 0, 0, False, slope2,
+                                               diag, ALIBI)
+        if SPLIT:
+            acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
+        else:
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
         # P_j is packed after the wait: it overwrites the registers P_{j-1} V_{j-1} reads.
         p_op = gl.convert_layout(p.to(p_prev.dtype), p_prev.type.layout)
         mbarrier.arrive(v_empty.index(sp), count=1)
-        return acc, p_op, alpha, m_i, l_i
+        return acc, acc1, p_op, alpha, m_i, l_i
 
     @gluon.jit
-    def _consumer(q_wg, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, lse_ptr, lse2_ptr,
-                  seqlen_q, seqlen_k, heads_q, qk_scale, win_left, win_right, WG: gl.constexpr,
-                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, EARLY_K: gl.constexpr):
-        """Warpgroup WG: rows [WG * BLOCK_M, (WG + 1) * BLOCK_M) of the program's Q tile; acc fp32."""
+    def _consumer(q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc,
+                  o1_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, win_left, win_right, slopes_ptr,
+                  slope_stride, WG: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                  WINDOW: gl.constexpr, EARLY_K: gl.constexpr, SPLIT: gl.constexpr, ALIBI: gl.constexpr):
+        """Warpgroup WG: rows [WG * BLOCK_M, (WG + 1) * BLOCK_M) of the program's Q tile; acc fp32 (SPLIT: acc
+        the output's columns [0, D0), acc1 the rest)."""
         dtype: gl.constexpr = o_desc.dtype
         TILE: gl.constexpr = 2 * _BLOCK_M
         STAGES: gl.constexpr = k_smem.shape[0]
         BLOCK_N: gl.constexpr = k_smem.shape[1]
-        HEAD_DIM: gl.constexpr = k_smem.shape[2]
+        D0: gl.constexpr = k_smem.shape[2]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, BLOCK_N, 16])
         o_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, HEAD_DIM, 16])
+                                                           instr_shape=[16, D0, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o_layout, k_width=2)
         row_o: gl.constexpr = gl.SliceLayout(1, o_layout)
         row_s: gl.constexpr = gl.SliceLayout(1, s_layout)
 
         pid_m = gl.num_programs(0) - 1 - gl.program_id(0)
         pid_bh = gl.program_id(1)
+        diag = seqlen_k - seqlen_q   # bottom-right alignment: row r's diagonal key is r + diag
+        slope2 = 0.0
+        if ALIBI:
+            slope2 = gl.load(slopes_ptr + (pid_bh // heads_q) * slope_stride + pid_bh % heads_q) * 1.4426950408889634
         row0 = pid_m * TILE + WG * _BLOCK_M
         rows = row0 + gl.arange(0, _BLOCK_M, layout=row_s)
         n_tiles = seqlen_k // BLOCK_N
@@ -335,13 +400,22 @@ if gluon is not None:
             n_loop = n_tiles
         m_i = gl.full([_BLOCK_M], float("-inf"), gl.float32, row_s)
         l_i = gl.full([_BLOCK_M], 0.0, gl.float32, row_s)
-        acc = gl.zeros([_BLOCK_M, HEAD_DIM], gl.float32, o_layout)
+        acc = gl.zeros([_BLOCK_M, D0], gl.float32, o_layout)
+        if SPLIT:
+            D1: gl.constexpr = k1_smem.shape[2]
+            o1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                instr_shape=[16, D1, 16])
+            acc1 = gl.zeros([_BLOCK_M, D1], gl.float32, o1_layout)
+        else:
+            acc1 = acc   # not used: the loop hands it back as it came
         s_zero = gl.zeros([_BLOCK_M, BLOCK_N], gl.float32, s_layout)
         mbarrier.wait(q_ready, 0)
 
         # Tile 0: S_0 and its softmax (no P V in flight yet); it is the diagonal when n_tiles == 1.
         mbarrier.wait(k_ready.index(0), 0)
         s_tok = warpgroup_mma(q_wg, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
+        if SPLIT:
+            s_tok = warpgroup_mma(q1_wg, k1_smem.index(0).permute((1, 0)), s_tok, is_async=True)
         s_ij = warpgroup_mma_wait(0, deps=[s_tok])
         if EARLY_K:
             mbarrier.arrive(k_empty.index(0), count=1)
@@ -352,32 +426,41 @@ if gluon is not None:
         if WINDOW:
             p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, t0, False,
                                                _band_edge(row0, t0, win_left, win_right, BLOCK_N), win_left,
-                                               win_right, True)
+                                               win_right, True, slope2, diag, ALIBI)
         else:
-            p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, 0, False, False, 0, 0, False)
+            p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, 0, False, False, 0, 0, False, slope2,
+                                               diag, ALIBI)
         p_op = gl.convert_layout(p.to(dtype), p_layout)
         for j in range(1, n_loop):
             if WINDOW:
-                acc, p_op, alpha, m_i, l_i = _overlap_step(
-                    j, p_op, acc, alpha, m_i, l_i, q_wg, k_smem, v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
-                    qk_scale, rows, False, EARLY_K, t0 + j, _band_edge(row0, t0 + j, win_left, win_right, BLOCK_N),
-                    win_left, win_right, True)
+                acc, acc1, p_op, alpha, m_i, l_i = _overlap_step(
+                    j, p_op, acc, acc1, alpha, m_i, l_i, q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem, k_ready,
+                    v_ready, k_empty, v_empty, s_zero, qk_scale, rows, False, EARLY_K, t0 + j,
+                    _band_edge(row0, t0 + j, win_left, win_right, BLOCK_N), win_left, win_right, True, SPLIT, slope2,
+                    diag, ALIBI)
             else:
-                acc, p_op, alpha, m_i, l_i = _overlap_step(j, p_op, acc, alpha, m_i, l_i, q_wg, k_smem, v_smem,
-                                                           k_ready, v_ready, k_empty, v_empty, s_zero, qk_scale,
-                                                           rows, False, EARLY_K, j, False, 0, 0, False)
+                acc, acc1, p_op, alpha, m_i, l_i = _overlap_step(
+                    j, p_op, acc, acc1, alpha, m_i, l_i, q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem, k_ready,
+                    v_ready, k_empty, v_empty, s_zero, qk_scale, rows, False, EARLY_K, j, False, 0, 0, False, SPLIT,
+                    slope2, diag, ALIBI)
         if CAUSAL:
             if n_tiles > 1:
-                acc, p_op, alpha, m_i, l_i = _overlap_step(n_tiles - 1, p_op, acc, alpha, m_i, l_i, q_wg, k_smem,
-                                                           v_smem, k_ready, v_ready, k_empty, v_empty, s_zero,
-                                                           qk_scale, rows, True, EARLY_K, n_tiles - 1, False, 0, 0,
-                                                           False)
+                acc, acc1, p_op, alpha, m_i, l_i = _overlap_step(
+                    n_tiles - 1, p_op, acc, acc1, alpha, m_i, l_i, q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem,
+                    k_ready, v_ready, k_empty, v_empty, s_zero, qk_scale, rows, True, EARLY_K, n_tiles - 1, False, 0,
+                    0, False, SPLIT, slope2, diag, ALIBI)
         # The last P V.
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         sl = (n_tiles - 1) % STAGES
         mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
         o_tok = warpgroup_mma(p_op, v_smem.index(sl), acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=[o_tok])
+        if SPLIT:
+            acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout))[:, None]
+            p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
+            o1_tok = warpgroup_mma(gl.convert_layout(p_op, p1_layout), v1_smem.index(sl), acc1, is_async=True)
+            acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
+        else:
+            acc = warpgroup_mma_wait(0, deps=[o_tok])
         mbarrier.arrive(v_empty.index(sl), count=1)
         if CAUSAL:
             # The SKIPPED key tiles are loaded for the other warpgroup; release them without computing.
@@ -395,8 +478,13 @@ if gluon is not None:
         h = pid_bh % heads_q
         acc = acc * (1.0 / gl.convert_layout(l_i, row_o))[:, None]
         q_wg.store(acc.to(dtype))
+        if SPLIT:
+            acc1 = acc1 * (1.0 / gl.convert_layout(l_i, gl.SliceLayout(1, o1_layout)))[:, None]
+            q1_wg.store(acc1.to(dtype))
         fence_async_shared()
         tma.async_copy_shared_to_global(o_desc, [b * seqlen_q + row0, h * HEAD_DIM], q_wg)
+        if SPLIT:
+            tma.async_copy_shared_to_global(o1_desc, [b * seqlen_q + row0, h * HEAD_DIM + D0], q1_wg)
         lse2 = m_i + gl.log2(l_i)
         offs = pid_bh.to(gl.int64) * seqlen_q + rows
         gl.store(lse_ptr + offs, lse2 * 0.6931471805599453)
@@ -406,17 +494,28 @@ if gluon is not None:
     # The window bounds are compared, never indexed with: no specialisation (1 and multiples of 16 would each be a
     # compile of their own).
     @gluon.jit(do_not_specialize=["win_left", "win_right"])
-    def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, group,
-                         qk_scale, win_left, win_right, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                         STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EARLY_K: gl.constexpr):
-        """q_desc: [TILE, HEAD_DIM] blocks; k_desc / v_desc: [BLOCK_N, HEAD_DIM]; o_desc: [BLOCK_M, HEAD_DIM]."""
+    def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, v1_desc, o1_desc, lse_ptr, lse2_ptr,
+                         seqlen_q, seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr, slope_stride,
+                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
+                         CONSUMER_REGS: gl.constexpr, EARLY_K: gl.constexpr, SPLIT: gl.constexpr,
+                         ALIBI: gl.constexpr):
+        """q_desc: [TILE, D0] blocks; k_desc / v_desc: [BLOCK_N, D0]; o_desc: [BLOCK_M, D0], with D0 = HEAD_DIM
+        unless SPLIT: then the *1_desc blocks hold the head's other HEAD_DIM - D0 columns (a head dim that is not
+        a power of two, as two power-of-two parts; without SPLIT they repeat the first ones, unused)."""
         dtype: gl.constexpr = q_desc.dtype
         TILE: gl.constexpr = q_desc.block_type.shape[0]
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
+        D0: gl.constexpr = q_desc.block_type.shape[1]
         BLOCK_N: gl.constexpr = k_desc.block_type.shape[0]
-        q_smem = gl.allocate_shared_memory(dtype, [TILE, HEAD_DIM], q_desc.layout)
-        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [TILE, D0], q_desc.layout)
+        k_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D0], v_desc.layout)
+        if SPLIT:
+            D1: gl.constexpr = q1_desc.block_type.shape[1]
+            q1_smem = gl.allocate_shared_memory(dtype, [TILE, D1], q1_desc.layout)
+            k1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], k1_desc.layout)
+            v1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, D1], v1_desc.layout)
+        else:
+            q1_smem, k1_smem, v1_smem = q_smem, k_smem, v_smem   # unused
         q_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         k_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         v_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -434,15 +533,17 @@ if gluon is not None:
                 mbarrier.init(k_empty.index(i), count=2)
         # Argument tuples are written inline: bound to a local first, their constexprs turn into tensors.
         gl.warp_specialize([
-            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
-                         v_empty, seqlen_q, seqlen_k, heads_q, group, win_left, win_right, CAUSAL, WINDOW,
-                         EARLY_K)),
-            (_consumer, (q_smem.slice(0, _BLOCK_M), k_smem, v_smem, q_ready, k_ready, v_ready, k_empty, v_empty,
-                         o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, win_left, win_right, 0,
-                         CAUSAL, WINDOW, EARLY_K)),
-            (_consumer, (q_smem.slice(_BLOCK_M, _BLOCK_M), k_smem, v_smem, q_ready, k_ready, v_ready, k_empty,
-                         v_empty, o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, win_left,
-                         win_right, 1, CAUSAL, WINDOW, EARLY_K)),
+            (_producer, (q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q1_desc, k1_desc, v1_desc, q1_smem,
+                         k1_smem, v1_smem, q_ready, k_ready, v_ready, k_empty, v_empty, seqlen_q, seqlen_k, heads_q,
+                         group, win_left, win_right, HEAD_DIM, CAUSAL, WINDOW, EARLY_K, SPLIT)),
+            (_consumer, (q_smem.slice(0, _BLOCK_M), k_smem, v_smem, q1_smem.slice(0, _BLOCK_M), k1_smem, v1_smem,
+                         q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, o1_desc, lse_ptr, lse2_ptr, seqlen_q,
+                         seqlen_k, heads_q, qk_scale, win_left, win_right, slopes_ptr, slope_stride, 0, HEAD_DIM,
+                         CAUSAL, WINDOW, EARLY_K, SPLIT, ALIBI)),
+            (_consumer, (q_smem.slice(_BLOCK_M, _BLOCK_M), k_smem, v_smem, q1_smem.slice(_BLOCK_M, _BLOCK_M),
+                         k1_smem, v1_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, o1_desc, lse_ptr,
+                         lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, win_left, win_right, slopes_ptr,
+                         slope_stride, 1, HEAD_DIM, CAUSAL, WINDOW, EARLY_K, SPLIT, ALIBI)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
     _launch = DirectLauncher(_attn_fwd_hopper)
@@ -472,27 +573,45 @@ _compiled: set = set()
 broken: dict = {}
 
 
-def forward(spec, q, k, v, warmup: bool = False):
+def variant_key(spec) -> tuple:
+    """What one compile of this kernel covers (the compile-failure bookkeeping's key; the head count, GQA and
+    tiles aside): dtype, head dim, mask kind, ALiBi, device."""
+    return spec.dtype, spec.head_dim, spec.visibility.kind, spec.alibi is not None, spec.device
+
+
+def launch_args(spec, q, k, v, out, lse, lse2, alibi=None) -> tuple:
+    """(grid, args, meta) of the kernel's launch for a call `reasons` accepts, writing out, lse and lse2; alibi:
+    the float32 slopes [Hq] or [B, Hq] (spec.alibi)."""
+    b, sq, hq, d = q.shape
+    tiles = TILES[d]
+    d0 = d - tiles.split
+    parts = [(_descriptor(q, TILE, c), _descriptor(k, tiles.block_n, c), _descriptor(v, tiles.block_n, c),
+              _descriptor(out, BLOCK_M, c)) for c in ((d0, tiles.split) if tiles.split else (d0,))]
+    kind = spec.visibility.kind
+    slopes = None if alibi is None else alibi.contiguous()
+    args = (*parts[0], *parts[-1], lse, lse2, sq, spec.seqlen_k, hq, spec.group_size, spec.softmax_scale * LOG2E,
+            *window_bounds(spec), lse if slopes is None else slopes,
+            slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0)
+    meta = dict(HEAD_DIM=d, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
+                CONSUMER_REGS=tiles.consumer_regs, EARLY_K=tiles.early_k, SPLIT=bool(tiles.split),
+                ALIBI=slopes is not None, num_warps=4)
+    return (sq // TILE, b * hq), args, meta
+
+
+def forward(spec, q, k, v, warmup: bool = False, alibi=None):
     """q [B, Sq, Hq, D], k / v [B, Sk, Hkv, D], D in TILES (a call `reasons` accepts; the length floor
     aside, which is a speed choice) -> (out, lse, lse2), or None when the kernel fails to compile here
     (the caller then runs the Triton kernel).  warmup=True compiles without launching and returns the
     compiled kernel (tools/gpu/compile_report.py)."""
     b, sq, hq, d = q.shape
-    tiles = TILES[d]
     out = torch.empty_like(q)
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(lse)
-    grid = (sq // TILE, b * hq)
-    args = (_descriptor(q, TILE), _descriptor(k, tiles.block_n), _descriptor(v, tiles.block_n),
-            _descriptor(out, BLOCK_M), lse, lse2, sq, spec.seqlen_k, hq, spec.group_size,
-            spec.softmax_scale * LOG2E, *window_bounds(spec))
+    grid, args, meta = launch_args(spec, q, k, v, out, lse, lse2, alibi)
     kind = spec.visibility.kind
-    meta = dict(CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
-                CONSUMER_REGS=tiles.consumer_regs,
-                EARLY_K=tiles.early_k, num_warps=4)
     if warmup:
         return _launch.compile(grid, args, meta)
-    variant = (q.dtype, d, kind, q.device)
+    variant = variant_key(spec)
     if variant not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             _launch.compile(grid, args, meta)

@@ -79,15 +79,60 @@ def test_window_calls_conform(case, dtype, served, monkeypatch):
     assert served, "the Hopper kernel did not serve this window"
 
 
+# Head dims that are not powers of two (FLASHPORT_HOPPER_FWD_SPLIT=1): two column parts, 64 + 16 and 64 + 32, in
+# every operand, chained wgmma for S and an accumulator per part; causal, windows, GQA and a 3-stage ring wrapping.
+SPLIT = [
+    Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=96),
+    Case(b=2, sq=512, sk=512, hq=4, hkv=2, d=96, causal=True),
+    Case(b=1, sq=384, sk=896, hq=6, hkv=2, d=96),                    # Sq != Sk, GQA
+    Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=80),
+    Case(b=1, sq=1024, sk=1024, hq=4, hkv=1, d=80, causal=True),     # MQA, 8 causal tiles per head
+    Case(b=1, sq=512, sk=512, hq=2, hkv=2, d=96, window=(100, 20)),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", SPLIT, ids=str)
+def test_split_head_dims_conform(case, dtype, served, monkeypatch):
+    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_SPLIT", "1")
+    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_WINDOW", "1")
+    check_dense(None, case.replace(dtype=dtype), DEV, grads=True)
+    assert served, "the Hopper kernel did not serve this head dim"
+
+
+# ALiBi (FLASHPORT_HOPPER_FWD_ALIBI=1): the Gluon forward adds -slope * |i + Sk - Sq - j| in the log2 domain, and
+# the Triton backward recomputes P with the same formula from the lse it wrote.  Slopes per head and per batch
+# entry and head; causal, Sq != Sk (bottom-right), a two-part head dim, a window.
+ALIBI = [
+    Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=128, causal=True, alibi="head"),
+    Case(b=2, sq=384, sk=640, hq=4, hkv=2, d=128, alibi="batch_head"),
+    Case(b=1, sq=512, sk=512, hq=4, hkv=4, d=64, causal=True, alibi="head"),
+    Case(b=2, sq=256, sk=256, hq=4, hkv=2, d=80, causal=True, alibi="batch_head"),
+    Case(b=1, sq=512, sk=512, hq=2, hkv=2, d=96, causal=True, alibi="head"),
+    Case(b=1, sq=512, sk=512, hq=2, hkv=2, d=128, window=(100, 0), alibi="head"),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case", ALIBI, ids=str)
+def test_alibi_calls_conform(case, dtype, served, monkeypatch):
+    for name in ("FLASHPORT_HOPPER_FWD_ALIBI", "FLASHPORT_HOPPER_FWD_SPLIT", "FLASHPORT_HOPPER_FWD_WINDOW"):
+        monkeypatch.setenv(name, "1")
+    check_dense(None, case.replace(dtype=dtype), DEV, grads=True)
+    assert served, "the Hopper kernel did not serve this ALiBi call"
+
+
 DECLINED = [
     Case(b=1, sq=200, sk=256, hq=2, hkv=2, d=128),                   # not a multiple of 128
     Case(b=1, sq=256, sk=384, hq=2, hkv=2, d=128, causal=True),      # causal with Sq != Sk
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, noncontig=True),   # strided: no TMA view
-    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=96),                    # a head dim without tiles
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=96),                    # two-part tiles: FLASHPORT_HOPPER_FWD_SPLIT off
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=72),                    # a head dim without tiles
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, dv=64),            # q/k and v head dims differ
     Case(b=1, sq=256, sk=320, hq=2, hkv=2, d=256),                   # Sk not a multiple of 128
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, window=(64, 0)),   # FLASHPORT_HOPPER_FWD_WINDOW off
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, softcap=5.0),
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=256, alibi="head"),     # ALiBi at D=256 (its registers would spill)
 ]
 
 

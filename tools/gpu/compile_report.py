@@ -155,7 +155,7 @@ def compile_mods_case(d: int, block_mask: bool = True, dtype=torch.bfloat16) -> 
 
 def compile_hopper_fwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
     """Compile the Gluon Hopper forward (kernels/attn_fwd_hopper.py) for each head dim it serves (default:
-    all of attn_fwd_hopper.TILES), no mask, causal and a window, per dtype.  A variant the compiler rejects is reported
+    all of attn_fwd_hopper.TILES), no mask, causal, a window and causal with ALiBi, per dtype.  A variant the compiler rejects is reported
     with its error (the row's "error"), not fatal."""
     from flashport.kernels import attn_fwd_hopper
     from flashport.spec import dense_spec
@@ -163,18 +163,20 @@ def compile_hopper_fwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
     for d in ds or sorted(attn_fwd_hopper.TILES):
         tiles = attn_fwd_hopper.TILES[d]
         for dtype in dtypes:
-            for causal, window in ((False, (-1, -1)), (True, (-1, -1)), ("window", (100, 0))):
+            variants = ((False, (-1, -1)), (True, (-1, -1)), ("window", (100, 0)), ("alibi", (-1, -1)))
+            for causal, window in variants[:4 if d in attn_fwd_hopper.ALIBI_HEAD_DIMS else 3]:
                 q = torch.zeros(1, 256, 2 * gqa, d, dtype=dtype)
                 k = torch.zeros(1, 256, 2, d, dtype=dtype)
-                spec, _ = dense_spec(q, k, k, causal=causal is True, softmax_scale=None, window_size=window,
-                                     softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False,
+                slopes = torch.ones(2 * gqa) if causal == "alibi" else None     # ALiBi on the causal variant
+                spec, _ = dense_spec(q, k, k, causal=causal in (True, "alibi"), softmax_scale=None, window_size=window,
+                                     softcap=0.0, alibi_slopes=slopes, dropout_p=0.0, deterministic=False,
                                      return_lse=False)
                 row = {"kernel": "fwd_hopper", "d": d, "causal": causal, "gqa": gqa, "dtype": str(dtype).split(".")[-1],
                        "config": {"block_m": attn_fwd_hopper.TILE, "block_n": tiles.block_n, "num_warps": 12,
                                   "num_stages": tiles.stages, "consumer_regs": tiles.consumer_regs,
                                   "early_k": tiles.early_k}}
                 try:
-                    rows.append({**row, **report(attn_fwd_hopper.forward(spec, q, k, k, warmup=True))})
+                    rows.append({**row, **report(attn_fwd_hopper.forward(spec, q, k, k, warmup=True, alibi=slopes))})
                 except Exception as e:  # noqa: BLE001 - a variant the compiler rejects is reported, not fatal
                     rows.append({**row, "error": f"{type(e).__name__}: {e}"[:500]})
     return rows
@@ -293,7 +295,7 @@ def main(argv=None) -> int:
         cs = f"{c.get('block_m')}x{c.get('block_n')} w{c.get('num_warps')} s{c.get('num_stages')}" if c else "-"
         if r["kernel"] == "fwd_hopper":
             cs += f"{' ek' if c['early_k'] else ''} {'bf16' if r['dtype'] == 'bfloat16' else 'fp16'}"
-            cs += {True: " causal", "window": " window"}.get(r["causal"], "")
+            cs += {True: " causal", "window": " window", "alibi": " causal alibi"}.get(r["causal"], "")
         if r["kernel"] == "bwd_hopper":
             cs += f" {'bf16' if r['dtype'] == 'bfloat16' else 'fp16'} {r['causal']}"
         if r.get("mods"):

@@ -1,30 +1,34 @@
 #!/usr/bin/env bash
 # The next session's device calls, on one warm machine; each part returns $OUT/<part>.tgz (rewritten after every
 # step and every 20 s, so a call cut at its limit still brings back what finished):
-#   PART=a (carry .fa4a): FA4 step 1; the Hopper forward's and backward's GPU tiers with their window cases
-#          (PERFLOG rows 78, 79: test_window_calls_conform sets FLASHPORT_HOPPER_{FWD,BWD}_WINDOW=1), then
-#          tools/gpu/probe_window.py (the rows' timings: neither switch, the backward's, both; one process)
+#   PART=a (carry .fa4a): FA4 step 1; the Hopper forward's and backward's GPU tiers with the cases of the variants
+#          built without a GPU (PERFLOG rows 78, 79, 81, 82: test_window_calls_conform, test_split_head_dims_conform
+#          and test_alibi_calls_conform set their switches), then tools/gpu/probe_hopper_variants.py (the rows' timings, switches off and on)
 #   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; the programmable suite with every peer (builtin-fa4: row
-#          80, FA4's varlen through the backend), both window switches on where part a found them green (WINDOW=1)
-#   PART=c (FA4 still installed): the rest of the GPU tier, file by file, with a fresh machine's limits
+#          80, FA4's varlen through the backend), the new variants' switches on where part a found them green (NEW=1)
+#   PART=c (FA4 still installed): the rest of the GPU tier, file by file, with a fresh machine's limits (the fuzz
+#          with the new variants' switches on)
 #   PART=d: the programmable GPU tier, one limit per test (mods fuzz counts 100 / 40 / 40)
 SESSION=s23; . "$(dirname "$0")/session.sh"
 case "$PART" in
 a)
   fa4_step1
   tier hopper_fwd:150 hopper_bwd:200
-  timeout ${PROBE_SECONDS:-200} python tools/gpu/probe_window.py --out "$R/probe_window.jsonl" 2>&1 \
+  timeout ${PROBE_SECONDS:-200} python tools/gpu/probe_hopper_variants.py --out "$R/probe_hopper_variants.jsonl" 2>&1 \
       | grep -v "Warning\|warn(" | tail -20; save
   ;;
 b)
   fa4_step2
   mkdir -p "$R/programmable"
-  FLASHPORT_HOPPER_FWD_WINDOW=${WINDOW:-0} FLASHPORT_HOPPER_BWD_WINDOW=${WINDOW:-0} timeout ${MASK_SECONDS:-420} python -m flashport bench --suite programmable \
-      --out "$R/programmable" --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin,builtin-fa4 2>&1 \
+  FLASHPORT_HOPPER_FWD_WINDOW=${NEW:-0} FLASHPORT_HOPPER_BWD_WINDOW=${NEW:-0} FLASHPORT_HOPPER_FWD_ALIBI=${NEW:-0} \
+      timeout ${MASK_SECONDS:-420} python -m flashport bench --suite programmable --out "$R/programmable" --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin,builtin-fa4 2>&1 \
       | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
   echo "programmable rc=${PIPESTATUS[0]}"; grep -E " ok | failed " "$R/programmable/bench.log" | cut -c1-110
   ;;
-c) fa4_env; tier contents:40 decode:50 compile:100 operability:100 triton:150 fuzz:200 ;;
+c) fa4_env   # the fuzz with the new variants' switches on, so its Gluon regimes reach them (rows 78, 79, 81, 82)
+   tier contents:40 decode:50 compile:100 operability:100 triton:150
+   FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW=1 FLASHPORT_HOPPER_FWD_SPLIT=1 FLASHPORT_HOPPER_FWD_ALIBI=1 \
+       tier fuzz:200 ;;
 d) fa4_env; TRITON_N=${TRITON_N:-40} programmable_tier ${PROG_SECONDS:-500} ;;
 esac
 save; ls -la "$OUT"

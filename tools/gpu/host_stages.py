@@ -57,15 +57,9 @@ def stages(d: int, causal: bool, only: str = "") -> dict:
     why = attn_fwd_hopper.reasons(spec, q, k, v)
     if why:
         raise SystemExit(f"the Gluon forward declines this call: {why}")
-    tiles = attn_fwd_hopper.TILES[d]
     out = torch.empty_like(q)
     lse = torch.empty(1, 1, 512, dtype=torch.float32, device=dev)
-    args = (attn_fwd_hopper._descriptor(q, attn_fwd_hopper.TILE), attn_fwd_hopper._descriptor(k, tiles.block_n),
-            attn_fwd_hopper._descriptor(v, tiles.block_n), attn_fwd_hopper._descriptor(out, attn_fwd_hopper.BLOCK_M),
-            lse, lse, 512, 512, 1, 1, spec.softmax_scale * attn_fwd_hopper.LOG2E)
-    meta = dict(CAUSAL=causal, STAGES=tiles.stages, CONSUMER_REGS=tiles.consumer_regs, EARLY_K=tiles.early_k,
-                num_warps=4)
-    grid = (512 // attn_fwd_hopper.TILE, 1)
+    grid, args, meta = attn_fwd_hopper.launch_args(spec, q, k, v, out, lse, lse)
     qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
     qtg, ktg, vtg = (t.transpose(1, 2).detach().requires_grad_() for t in (q, k, v))
 

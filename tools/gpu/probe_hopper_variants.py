@@ -1,8 +1,10 @@
-"""The Hopper kernels' sliding windows (FLASHPORT_HOPPER_FWD_WINDOW and FLASHPORT_HOPPER_BWD_WINDOW, PERFLOG
-rows 78 and 79) against the Triton kernels that serve windows without them, one process, bf16: forward and
-backward milliseconds and TFLOP/s (visible pairs, FlashAttention's 2.5x convention for the backward) with neither
-switch, the backward's, and both; which kernels served; and the largest difference between each run's output and
-gradients and those of the Triton kernels, relative to their scale.  Cases: issue [14]'s window 2048 over 16k (GQA 16/4),
+"""The Hopper kernels' variants built without a GPU in the 22nd session, each against what serves the call with
+its switch off, one process, bf16: sliding windows (FLASHPORT_HOPPER_FWD_WINDOW, FLASHPORT_HOPPER_BWD_WINDOW;
+PERFLOG rows 78, 79), the forward's two-part head dims 80 and 96 (FLASHPORT_HOPPER_FWD_SPLIT; row 81) and its
+ALiBi (FLASHPORT_HOPPER_FWD_ALIBI; row 82).  Per
+case and setting: forward and backward milliseconds and TFLOP/s (visible pairs, FlashAttention's 2.5x convention
+for the backward), which kernels served, and the largest difference between each run's output and gradients and
+those of the first setting, relative to their scale.  Cases: issue [14]'s window 2048 over 16k (GQA 16/4),
 issue [8]'s window 4096 over 16k (GQA 32/8), the programmable suite's window + 4 sinks (B=2, H=16, S=16384)
 as a whole, and a two-sided band at D=64.  JSON lines to --out."""
 from __future__ import annotations
@@ -17,11 +19,22 @@ import flashport
 from flashport import mods
 from flashport.bench.timing import gpu_ms
 
-CASES = [   # name, B, S, Hq, Hkv, D, call keywords
-    ("window 2048 / 16k, GQA 16/4, D=128", 1, 16384, 16, 4, 128, dict(window_size=(2048, 0))),
-    ("window 4096 / 16k, GQA 32/8, D=128", 1, 16384, 32, 8, 128, dict(window_size=(4096, 0))),
-    ("window 2048 + 4 sinks, B=2, H=16, D=128", 2, 16384, 16, 16, 128, "sinks"),
-    ("band (256, 256) / 8k, H=16, D=64", 2, 8192, 16, 16, 64, dict(window_size=(256, 256))),
+WINDOWS = (("triton", {}), ("gluon bwd", {"FLASHPORT_HOPPER_BWD_WINDOW": "1"}),
+           ("gluon both", {"FLASHPORT_HOPPER_BWD_WINDOW": "1", "FLASHPORT_HOPPER_FWD_WINDOW": "1"}))
+SPLIT = (("triton", {}), ("gluon fwd", {"FLASHPORT_HOPPER_FWD_SPLIT": "1"}))
+ALIBI = (("triton", {}), ("gluon fwd", {"FLASHPORT_HOPPER_FWD_ALIBI": "1"}))
+SWITCHES = ("FLASHPORT_HOPPER_FWD_WINDOW", "FLASHPORT_HOPPER_BWD_WINDOW", "FLASHPORT_HOPPER_FWD_SPLIT",
+            "FLASHPORT_HOPPER_FWD_ALIBI")
+CASES = [   # name, B, S, Hq, Hkv, D, call keywords, settings
+    ("window 2048 / 16k, GQA 16/4, D=128", 1, 16384, 16, 4, 128, dict(window_size=(2048, 0)), WINDOWS),
+    ("window 4096 / 16k, GQA 32/8, D=128", 1, 16384, 32, 8, 128, dict(window_size=(4096, 0)), WINDOWS),
+    ("window 2048 + 4 sinks, B=2, H=16, D=128", 2, 16384, 16, 16, 128, "sinks", WINDOWS),
+    ("band (256, 256) / 8k, H=16, D=64", 2, 8192, 16, 16, 64, dict(window_size=(256, 256)), WINDOWS),
+    ("D=96, S=4k, causal, H=16", 2, 4096, 16, 16, 96, dict(causal=True), SPLIT),        # issue [14]'s cell
+    ("D=96, S=8k, H=16", 1, 8192, 16, 16, 96, {}, SPLIT),
+    ("D=80, S=1024, H=16 (DiT)", 16, 1024, 16, 16, 80, {}, SPLIT),
+    ("D=80, S=4k, causal, GQA 16/4", 2, 4096, 16, 4, 80, dict(causal=True), SPLIT),
+    ("ALiBi, S=16k, causal, H=16, D=128", 2, 16384, 16, 16, 128, dict(causal=True, alibi_slopes="per head"), ALIBI),
 ]
 
 
@@ -37,7 +50,7 @@ def main():
     args = ap.parse_args()
     with open(args.out, "w") as out:
         out.write(json.dumps({"card": torch.cuda.get_device_name()}) + "\n")
-        for name, b, s, hq, hkv, d, kw in CASES:
+        for name, b, s, hq, hkv, d, kw, settings in CASES:
             g = torch.Generator(device="cuda").manual_seed(0)
             q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
             k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -47,14 +60,17 @@ def main():
                 bm = flashport.create_block_mask(mods.sliding_window(2048, sinks=4), None, None, s, s, device="cuda")
                 call, left, right = dict(block_mask=bm), 2048, 0
             else:
-                call, (left, right) = kw, kw["window_size"]
+                call, (left, right) = dict(kw), kw.get("window_size", (-1, 0) if kw.get("causal") else (-1, -1))
+                if call.get("alibi_slopes") == "per head":   # ALiBi's usual geometric slopes
+                    call["alibi_slopes"] = torch.exp2(-8.0 * torch.arange(1, hq + 1, device="cuda") / hq)
             flops = 4 * b * hq * d * visible_pairs(s, left, right)
             fn = lambda: flashport.attention(q, k, v, **call)                                   # noqa: E731
             step = lambda: torch.autograd.grad(fn(), (q, k, v), do)                             # noqa: E731
             results = {}
-            for label, fwd_flag, bwd_flag in (("triton", "0", "0"), ("gluon bwd", "0", "1"), ("gluon both", "1", "1")):
-                os.environ["FLASHPORT_HOPPER_FWD_WINDOW"] = fwd_flag
-                os.environ["FLASHPORT_HOPPER_BWD_WINDOW"] = bwd_flag
+            first = settings[0][0]
+            for label, switches in settings:
+                for name_ in SWITCHES:
+                    os.environ[name_] = switches.get(name_, "0")
                 try:
                     flashport.reset_stats()
                     o = fn()
@@ -65,17 +81,17 @@ def main():
                     b_ms = gpu_ms(step) - f_ms
                     row = dict(case=name, run=label, fwd_ms=f_ms, bwd_ms=b_ms, fwd_tflops=flops / f_ms / 1e9,
                                bwd_tflops=2.5 * flops / b_ms / 1e9, served=str(served))
-                    if label != "triton" and "triton" in results:
+                    if label != first and first in results:
                         row["relative_max_difference"] = max(
                             float((a.float() - c.float()).abs().max() / c.float().abs().max().clamp_min(1e-6))
-                            for a, c in zip(results[label], results["triton"]))
+                            for a, c in zip(results[label], results[first]))
                 except Exception as e:  # noqa: BLE001 - reported, the next run goes on
                     row = dict(case=name, run=label, error=f"{type(e).__name__}: {e}"[:400])
                 out.write(json.dumps(row) + "\n")
                 out.flush()
                 print(row, flush=True)
-            os.environ.pop("FLASHPORT_HOPPER_FWD_WINDOW", None)
-            os.environ.pop("FLASHPORT_HOPPER_BWD_WINDOW", None)
+            for name_ in SWITCHES:
+                os.environ.pop(name_, None)
 
 
 if __name__ == "__main__":
