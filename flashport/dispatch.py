@@ -259,7 +259,9 @@ def _reasons(b: Backend, spec: AttnSpec, role: str, quarantine: bool = True, sta
 
 # Switches that change an answer; read at every call (a few dict lookups) and part of the memo key.
 _KEY_SWITCHES = ("FLASHPORT_DISABLE", "FLASHPORT_HOPPER_FWD", "FLASHPORT_HOPPER_BWD", "FLASHPORT_TABLE",
-                 "FLASHPORT_CACHE_DIR", "TRITON_INTERPRET", "FLASHPORT_ALLOW_UNTESTED_TRITON")
+                 "FLASHPORT_CACHE_DIR", "TRITON_INTERPRET", "FLASHPORT_ALLOW_UNTESTED_TRITON",
+                 "FLASHPORT_HOPPER_FWD_WINDOW", "FLASHPORT_HOPPER_BWD_WINDOW", "FLASHPORT_HOPPER_FWD_SPLIT",
+                 "FLASHPORT_HOPPER_FWD_ALIBI", "FLASHPORT_HOPPER_BWD_ALIBI")
 
 
 def select(spec: AttnSpec, backend: str | None = None) -> Plan:
@@ -371,7 +373,12 @@ def options(spec: AttnSpec, tried: list | None = None, quarantine: bool = True, 
             tried.append(f"  - {b.name} (backward): " + "; ".join(rb))
 
     def ranked(bs, role):
-        return [b for b in bs if b.prefers(spec, role)] + [b for b in bs if not b.prefers(spec, role)]
+        # a backend slow on a GPU (blockwise: PyTorch ops tile by tile) comes after every other there, whatever it
+        # prefers: else it would pair as the backward of a forward whose usual partner does not prefer the call
+        # (a Gluon forward at D=96, whose Triton backward defers to cuDNN's own plan)
+        slow = [b for b in bs if spec.device.type == "cuda" and getattr(b, "slow_on_gpu", False)]
+        rest = [b for b in bs if b not in slow]
+        return [b for b in rest if b.prefers(spec, role)] + [b for b in rest if not b.prefers(spec, role)] + slow
 
     plans = []
     for f in ranked(fwd_ok, "fwd"):

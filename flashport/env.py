@@ -37,9 +37,10 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_ALLOW_UNTESTED_TRITON", "0", "1: try the Triton kernels on a Triton release they were not tested on"),
     Switch("FLASHPORT_HOPPER_FWD", "1", "0: the gluon backend refuses forwards (rollback switch for the Hopper forward)"),
     Switch("FLASHPORT_HOPPER_BWD", "1", "0: the gluon backend refuses backwards (rollback switch for the Hopper backward)"),
-    Switch("FLASHPORT_HOPPER_FWD_ALIBI", "0", "1: the Hopper forward serves ALiBi slopes (the backward stays the Triton "
-                                              "kernels'), which the Triton kernel serves otherwise (off until a GPU run "
-                                              "checks and times it: PERFLOG row 82)"),
+    Switch("FLASHPORT_HOPPER_FWD_ALIBI", "0", "1: the Hopper forward serves ALiBi slopes, which the Triton kernel serves "
+                                              "otherwise (off until a GPU run checks and times it: PERFLOG row 82)"),
+    Switch("FLASHPORT_HOPPER_BWD_ALIBI", "0", "1: the Hopper backward serves ALiBi slopes, which the Triton kernels "
+                                              "serve otherwise (off until a GPU run checks and times it: PERFLOG row 83)"),
     Switch("FLASHPORT_HOPPER_FWD_SPLIT", "0", "1: the Hopper forward serves head dims 80 and 96 as two power-of-two "
                                               "column parts (no padded dots), which the Triton kernel serves otherwise "
                                               "(off until a GPU run checks and times it: PERFLOG row 81)"),

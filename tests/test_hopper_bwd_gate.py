@@ -90,9 +90,9 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, bwd):
     lse = torch.zeros(1, 2, 256)
     with pytest.warns(RuntimeWarning, match="failed to compile"):
         assert bwd.backward(spec, q, q, q, q, q, lse, lse) is None
-    assert "ptxas: unsupported" in bwd.broken[(torch.bfloat16, 128, "causal", q.device)]
+    assert "ptxas: unsupported" in bwd.broken[(torch.bfloat16, 128, "causal", False, q.device)]
     gpu_spec, gq, gk = _spec(causal=True)
-    bwd.broken[(gpu_spec.dtype, 128, "causal", gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
+    bwd.broken[(gpu_spec.dtype, 128, "causal", False, gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
     monkeypatch.setattr(bwd, "enabled", lambda: True)
     assert "failed to compile" in bwd.reasons(gpu_spec, gq, gk, gk, gq)[0]
     monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))
@@ -164,3 +164,20 @@ def test_windows_pass_the_gate_only_behind_their_switch_and_with_sq_equal_sk(mon
     assert bwd.window_bounds(spec) == (2048, 64)
     spec, _, _ = _spec(causal=True)
     assert bwd.window_bounds(spec) == (0, 0)
+
+
+def test_alibi_passes_the_backward_gate_only_behind_its_switch(monkeypatch, bwd):
+    """FLASHPORT_HOPPER_BWD_ALIBI=1 opens the backward to ALiBi slopes, whichever forward wrote the lse."""
+    if bwd.gluon is None:
+        pytest.skip("Gluon not installed")
+    monkeypatch.setattr(bwd, "enabled", lambda: True)
+    monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))
+    q = torch.empty(2, 1024, 8, 128, dtype=torch.bfloat16, device="meta")
+    k = torch.empty(2, 1024, 2, 128, dtype=torch.bfloat16, device="meta")
+    slopes = torch.empty(2, 8, device="meta")
+    spec, _ = dense_spec(q, k, k, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=slopes, dropout_p=0.0, deterministic=False, return_lse=False)
+    spec = dataclasses.replace(spec, device=torch.device("cuda", 0))
+    assert "ALiBi" in bwd.reasons(spec, q, k, k, q)[0]
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_ALIBI", "1")
+    assert bwd.reasons(spec, q, k, k, q) == []

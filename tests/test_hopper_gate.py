@@ -208,12 +208,14 @@ def test_two_part_head_dims_pass_the_gate_only_behind_their_switch(monkeypatch, 
         q, k, v = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))   # descriptors read strides only
         out, lse = torch.empty_like(q), torch.empty(1, 8, q.shape[1])
         grid, args, meta = on_hopper.launch_args(spec, q, k, v, out, lse, lse)
-        assert meta["SPLIT"] and meta["HEAD_DIM"] == d and grid == (q.shape[1] // on_hopper.TILE, 8)
+        assert on_hopper.launcher(spec) is on_hopper._launch_split
+        assert meta["HEAD_DIM"] == d and grid == (q.shape[1] // on_hopper.TILE, 8)
         assert [a.block_shape[1] for a in args[:8]] == [parts[0]] * 4 + [parts[1]] * 4
     spec, q, k, v = _spec(d=128)
     q, k, v = (torch.empty(t.shape, dtype=t.dtype) for t in (q, k, v))
     _, args, meta = on_hopper.launch_args(spec, q, k, v, torch.empty_like(q), None, None)
-    assert not meta["SPLIT"] and [a.block_shape[1] for a in args[:8]] == [128] * 8
+    assert on_hopper.launcher(spec) is on_hopper._launch
+    assert [a.block_shape[1] for a in args[:4]] == [128] * 4 and args[4] is None   # four descriptors, then lse
 
 
 def test_alibi_passes_the_forward_gate_only_behind_its_switch(monkeypatch, on_hopper):
@@ -235,5 +237,5 @@ def test_alibi_passes_the_forward_gate_only_behind_its_switch(monkeypatch, on_ho
     assert meta["ALIBI"] and args[-2] is not lse and args[-1] == 8
     _, args, meta = on_hopper.launch_args(spec, q, k, k, torch.empty_like(q), lse, lse, slopes[0])
     assert meta["ALIBI"] and args[-1] == 0                     # [Hq] slopes: no batch stride
-    _, args, meta = on_hopper.launch_args(spec, q, k, k, torch.empty_like(q), lse, lse)
-    assert not meta["ALIBI"]
+    with pytest.raises(ValueError, match="alibi slopes"):   # a call with ALiBi launched without its slopes
+        on_hopper.launch_args(spec, q, k, k, torch.empty_like(q), lse, lse)

@@ -170,11 +170,17 @@ def _hopper_recipes(rng: random.Random, prof: Profile, dtypes) -> list:
         qclass = "m16" if regime == "gluon_fwd" else rng.choice(("n16", "m16"))
         out.append(Recipe(entry="attention", regime=regime, dtype=dts[i], d=d, dv=d, hq=hq, hkv=hkv, mask=mask,
                           qclass=qclass, scale="custom" if rng.random() < 0.25 else "default"))
-    # ALiBi on the Gluon forward (FLASHPORT_HOPPER_FWD_ALIBI), its backward on the Triton kernels
+    # ALiBi on the Gluon forward (FLASHPORT_HOPPER_FWD_ALIBI)
     hq, hkv = _heads_for(rng, prof, rng.choice(prof.ratios), False)
     d = rng.choice((96, 128))
     out.append(Recipe(entry="attention", regime="gluon_fwd", dtype=rng.choice(sixteen), d=d, dv=d, hq=hq, hkv=hkv,
                       mask=rng.choice(("none", "causal")), alibi=rng.choice(("head", "batch_head")), qclass="m16"))
+    # and on the Gluon backward (FLASHPORT_HOPPER_BWD_ALIBI)
+    hq, hkv = _heads_for(rng, prof, rng.choice(prof.ratios), False)
+    d = rng.choice((64, 128))
+    out.append(Recipe(entry="attention", regime="gluon_bwd", dtype=rng.choice(sixteen), d=d, dv=d, hq=hq, hkv=hkv,
+                      mask=rng.choice(("none", "causal")), alibi=rng.choice(("head", "batch_head")),
+                      qclass=rng.choice(("n16", "m16"))))
     return out
 
 

@@ -396,7 +396,7 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     # None: the Gluon kernel failed to compile here and has switched itself off (the Triton kernels serve).
     if hopper:
         if attn_bwd_hopper.backward(spec, do, q, k, v, out, lse2, delta, dq=dq, dk=dk, dv=dv,
-                                    dq_accum=dq_accum) is not None:
+                                    dq_accum=dq_accum, alibi=alibi) is not None:
             return dq, dk, dv
         attn_bwd_hopper.fallbacks["compile failure"] += 1
     hq, hkv = spec.heads_q, spec.heads_kv

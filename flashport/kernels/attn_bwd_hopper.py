@@ -54,7 +54,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from .attn_fwd_hopper import _capability, _descriptor, feature_reasons, window_bounds  # shared with the forward
+from .attn_fwd_hopper import (_capability, _descriptor, feature_reasons, variant_key,  # shared with the forward
+                              window_bounds)
 from .. import env
 from .launch import DirectLauncher
 from .versions import is_tested, tested_text
@@ -119,7 +120,8 @@ def spec_reasons(spec) -> list[str]:
         return ["dense CUDA tensors only"]
     if spec.deterministic:
         return ["deterministic=True: dQ is summed in scheduling order here (the Triton kernels are reproducible)"]
-    plain = feature_reasons(spec, windows=env.flag("FLASHPORT_HOPPER_BWD_WINDOW"))
+    plain = feature_reasons(spec, windows=env.flag("FLASHPORT_HOPPER_BWD_WINDOW"),
+                            alibi=env.flag("FLASHPORT_HOPPER_BWD_ALIBI"))
     if plain:
         return plain
     if min(spec.seqlen_q, spec.seqlen_k) < BLOCK_N:
@@ -130,7 +132,7 @@ def spec_reasons(spec) -> list[str]:
         return ["sequence length * head dim must fit in int32 (per-head offsets are 32-bit)"]
     if not enabled():
         return [f"Gluon (Triton {tested_text()}) unavailable or FLASHPORT_HOPPER_BWD=0"]
-    failed = broken.get((spec.dtype, spec.head_dim, spec.visibility.kind, spec.device))
+    failed = broken.get(variant_key(spec))
     if failed:
         return ["failed to compile here: " + failed]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
@@ -254,9 +256,9 @@ if gluon is not None:
 
     @gluon.jit
     def _step(i, j, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
-              dq_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale, sm_scale, win_left, win_right,
-              WG: gl.constexpr, MASK: gl.constexpr, WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr,
-              RAGGED: gl.constexpr):
+              dq_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale, sm_scale, win_left, win_right, slope2,
+              diag, WG: gl.constexpr, MASK: gl.constexpr, WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr,
+              RAGGED: gl.constexpr, ALIBI: gl.constexpr):
         """Q tile j (the i-th of this program): dK, dV updated, this warpgroup's half of dQ_j handed to the
         producer through dq_smem."""
         dtype: gl.constexpr = q_smem.dtype
@@ -300,7 +302,12 @@ if gluon is not None:
         if RAGGED:
             if (gl.program_id(0) + 1) * _BLOCK_N > seqlen_k:
                 s_t = gl.where(kv_rows[:, None] < seqlen_k, s_t, float("-inf"))
-        p_t = gl.exp2(s_t * qk_scale - lse2[None, :]).to(dtype)
+        if ALIBI:   # kernels/common.transform_log2's bias, as the forward that wrote lse2 added it.  (Split into a
+            # row and a column term under causal, it would subtract two values of ~slope * S: 0.07% error in P at 16k.)
+            dist = gl.abs(kv_rows.to(gl.float32)[:, None] - (cols + diag).to(gl.float32)[None, :])
+            p_t = gl.exp2(s_t * qk_scale - slope2 * dist - lse2[None, :]).to(dtype)
+        else:
+            p_t = gl.exp2(s_t * qk_scale - lse2[None, :]).to(dtype)
         dv_tok = warpgroup_mma(gl.convert_layout(p_t, p_layout), do_s, dv, is_async=True)
         delta = stat_smem.index(STAGES + s).load(col_s)          # already times softmax_scale
         dp_t = warpgroup_mma_wait(1, deps=[dp_tok])               # dV keeps running
@@ -335,8 +342,9 @@ if gluon is not None:
     @gluon.jit
     def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                   dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale, win_left,
-                  win_right, WG: gl.constexpr, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                  DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr):
+                  win_right, slopes_ptr, slope_stride, WG: gl.constexpr, HEADS_Q: gl.constexpr,
+                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr,
+                  ALIBI: gl.constexpr):
         """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, D]."""
         HEAD_DIM: gl.constexpr = q_smem.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
@@ -355,11 +363,15 @@ if gluon is not None:
         dk = gl.zeros([_WG_N, HEAD_DIM], gl.float32, acc_layout)
         dv = gl.zeros([_WG_N, HEAD_DIM], gl.float32, acc_layout)
         j0, n_iter = _q_tiles(seqlen_q, win_left, win_right, CAUSAL, WINDOW, RAGGED)
+        diag = seqlen_k - seqlen_q   # bottom-right alignment: query row r's diagonal key is r + diag
+        slope2 = 0.0
+        if ALIBI:
+            slope2 = gl.load(slopes_ptr + b * slope_stride + h) * 1.4426950408889634
         mbarrier.wait(kv_ready, 0)
         for i in range(n_iter):
             dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
                            qdo_empty, ds_ready, dq_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale,
-                           sm_scale, win_left, win_right, WG, CAUSAL, WINDOW, DQ_BUFS, RAGGED)
+                           sm_scale, win_left, win_right, slope2, diag, WG, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI)
 
         # Epilogue: dK, dV rows of query head h into [B, Sk, Hq, D]: dk / dv themselves without GQA, else
         # float32 partials.  Hq is a compile-time constant: with constant row strides the per-thread offsets
@@ -382,9 +394,9 @@ if gluon is not None:
     # compile of their own).
     @gluon.jit(do_not_specialize=["win_left", "win_right"])
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
-                         seqlen_k, group, qk_scale, sm_scale, win_left, win_right, HEADS_Q: gl.constexpr,
-                         CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr,
-                         RAGGED: gl.constexpr):
+                         seqlen_k, group, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride,
+                         HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
+                         DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr):
         """q_desc / do_desc: [BLOCK_M, D] blocks; k_desc / v_desc: [BLOCK_N, D]; dq_desc: [BLOCK_M, D / 2]
         float32 (one warpgroup's half of dQ_j)."""
         dtype: gl.constexpr = q_desc.dtype
@@ -424,10 +436,12 @@ if gluon is not None:
                          seqlen_q, seqlen_k, group, win_left, win_right, HEADS_Q, CAUSAL, WINDOW, DQ_BUFS, RAGGED)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                          dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
-                         win_left, win_right, 0, HEADS_Q, CAUSAL, WINDOW, DQ_BUFS, RAGGED)),
+                         win_left, win_right, slopes_ptr, slope_stride, 0, HEADS_Q, CAUSAL, WINDOW, DQ_BUFS, RAGGED,
+                         ALIBI)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
                          dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
-                         win_left, win_right, 1, HEADS_Q, CAUSAL, WINDOW, DQ_BUFS, RAGGED)),
+                         win_left, win_right, slopes_ptr, slope_stride, 1, HEADS_Q, CAUSAL, WINDOW, DQ_BUFS, RAGGED,
+                         ALIBI)),
         ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
 
     _launch = DirectLauncher(_attn_bwd_hopper)
@@ -446,14 +460,18 @@ def padded(n: int) -> int:
 
 
 def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, variant: str | None = None,
-             warmup: bool = False, dq_accum=None):
+             warmup: bool = False, dq_accum=None, alibi=None):
     """Gradients (dq, dk, dv) shaped like q, k, v for a call `reasons` accepts, given dO, the forward's
     lse2 [B, Hq, Sq] and Delta [B, Hq, Sq] (float32, dlse already folded in); written into dq / dk / dv
     when given (contiguous, q's / k's / v's dtype).  None when the kernel fails to compile here (the
     caller then runs the Triton kernels).  `out` is unused (Delta carries it).  variant: a VARIANTS key
     (default: DEFAULT[D]).  warmup=True compiles without launching and returns the compiled kernel
     (tools/gpu/gluon_bwd_probe.py).  dq_accum: the float32 [B, Sq, Hq, D] buffer dQ is added into, already zeroed
-    (attn_bwd's preprocess does it in the launch that computes Delta); default: a fresh torch.zeros."""
+    (attn_bwd's preprocess does it in the launch that computes Delta); default: a fresh torch.zeros.  alibi: the
+    float32 slopes [Hq] or [B, Hq] (spec.alibi)."""
+    if (alibi is None) != (spec.alibi is None):
+        raise ValueError("alibi slopes must be passed exactly when the call has them (spec.alibi)")
+    slopes = None if alibi is None else alibi.contiguous()
     b, sq, hq, d = q.shape
     tiles = VARIANTS[variant or DEFAULT[d]]
     sk = k.shape[1]
@@ -476,14 +494,15 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     # dq_accum's descriptor: [64, D / 2] float32 boxes (one warpgroup's half of dQ_j), for the reduce-adds.
     args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
             _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dk_out, dv_out, sq, sk, group,
-            spec.softmax_scale * LOG2E, spec.softmax_scale, *window_bounds(spec))
+            spec.softmax_scale * LOG2E, spec.softmax_scale, *window_bounds(spec), lse2 if slopes is None else slopes,
+            slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0)
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and mask kind.
     kind = spec.visibility.kind
     meta = dict(HEADS_Q=hq, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
-                DQ_BUFS=tiles.dq_bufs, RAGGED=ragged, num_warps=4)
+                DQ_BUFS=tiles.dq_bufs, RAGGED=ragged, ALIBI=slopes is not None, num_warps=4)
     if warmup:
         return _launch.compile(grid, args, meta)
-    key = (q.dtype, d, kind, q.device)
+    key = variant_key(spec)
     if (tiles, hq, group > 1, ragged, *key) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             _launch.compile(grid, args, meta)

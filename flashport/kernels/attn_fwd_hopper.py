@@ -14,8 +14,9 @@ itself.  One program per (128-row Q tile, query head, batch entry), three warp r
   S_j on the CUDA cores while the P V matmul is still on the tensor cores, then wait for it (FA3's
   intra-warpgroup overlap; the two warpgroups also interleave).
 
-Head dims 64, 128 and 256 (q/k and v alike) share this one kernel; TILES picks BLOCK_N (keys per
-tile) and the ring depth per head dim to fit sm_90's 227 KiB of shared memory and the consumers'
+Head dims 64, 128 and 256 (q/k and v alike) share this one kernel, and 80 and 96 as two power-of-two column
+parts (SPLIT; Gluon's tensors must be powers of two); TILES picks BLOCK_N (keys per tile) and the ring depth per
+head dim to fit sm_90's 227 KiB of shared memory and the consumers'
 registers without spilling (tools/gpu/compile_report.py --hopper-fwd checks both for sm_90a).  Causal:
 BLOCK_N divides the 128-row Q tile, and a consumer's 64 rows meet the diagonal in exactly one key
 tile (its last, masked); a key tile that lies wholly above a warpgroup's rows (BLOCK_N = 64: the
@@ -33,7 +34,7 @@ program's ring holds only the key tiles its 128 rows see (_key_tiles), both warp
 a warpgroup masks a tile only where it crosses the band's edge for its 64 rows (_band_edge).  A row whose first
 tiles hold no visible key keeps p = alpha = 0 (its max stays -inf); each row sees its own key, so l > 0 at the end.
 
-Equivalent PyTorch math: kernels/attn_fwd.py's (no softcap, ALiBi or dropout; causal and windows with
+Equivalent PyTorch math: kernels/attn_fwd.py's (no softcap or dropout; ALiBi, causal and windows with
 Sq == Sk).  Outputs: out [B, Sq, Hq, D], lse [B, Hq, Sq] (natural log) and lse2 = lse / ln 2 (what the
 backward reads; every row sees at least one key here, so both are finite).
 """
@@ -170,14 +171,14 @@ def spec_reasons(spec, length_floor: bool = True) -> list[str]:
         return [f"head dim {' / '.join(map(str, TILES))} only (q/k and v alike)"]
     if spec.kind != "dense" or spec.device.type != "cuda":
         return ["dense CUDA tensors only"]
-    if spec.alibi is not None and d not in ALIBI_HEAD_DIMS:
-        return [f"ALiBi at head dims {' / '.join(map(str, ALIBI_HEAD_DIMS))} (at D={d} its registers spill)"]
     if TILES[d].split and not env.flag("FLASHPORT_HOPPER_FWD_SPLIT"):
         return [f"head dim {d} runs as two column parts, behind FLASHPORT_HOPPER_FWD_SPLIT=1 until a GPU run checks it"]
     plain = feature_reasons(spec, windows=env.flag("FLASHPORT_HOPPER_FWD_WINDOW"),
                             alibi=env.flag("FLASHPORT_HOPPER_FWD_ALIBI"))
     if plain:
         return plain
+    if spec.alibi is not None and d not in ALIBI_HEAD_DIMS:
+        return [f"ALiBi at head dims {' / '.join(map(str, ALIBI_HEAD_DIMS))} (at D={d} its registers spill)"]
     floor = min_keys(d, is_causal(spec)) if length_floor else 0
     if floor is None:
         return [f"not at D={d}{' causal' if is_causal(spec) else ''}: the Triton kernel measured as fast or faster "
@@ -491,14 +492,11 @@ if gluon is not None:
         gl.store(lse2_ptr + offs, lse2)
         tma.store_wait(0)
 
-    # The window bounds are compared, never indexed with: no specialisation (1 and multiples of 16 would each be a
-    # compile of their own).
-    @gluon.jit(do_not_specialize=["win_left", "win_right"])
-    def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, v1_desc, o1_desc, lse_ptr, lse2_ptr,
-                         seqlen_q, seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr, slope_stride,
-                         HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
-                         CONSUMER_REGS: gl.constexpr, EARLY_K: gl.constexpr, SPLIT: gl.constexpr,
-                         ALIBI: gl.constexpr):
+    @gluon.jit
+    def _fwd_body(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, v1_desc, o1_desc, lse_ptr, lse2_ptr, seqlen_q,
+                  seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr, slope_stride,
+                  HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
+                  CONSUMER_REGS: gl.constexpr, EARLY_K: gl.constexpr, SPLIT: gl.constexpr, ALIBI: gl.constexpr):
         """q_desc: [TILE, D0] blocks; k_desc / v_desc: [BLOCK_N, D0]; o_desc: [BLOCK_M, D0], with D0 = HEAD_DIM
         unless SPLIT: then the *1_desc blocks hold the head's other HEAD_DIM - D0 columns (a head dim that is not
         a power of two, as two power-of-two parts; without SPLIT they repeat the first ones, unused)."""
@@ -546,7 +544,30 @@ if gluon is not None:
                          slope_stride, 1, HEAD_DIM, CAUSAL, WINDOW, EARLY_K, SPLIT, ALIBI)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
+    # Two entry points over one body: without SPLIT the launch carries four descriptors, not eight (each costs host
+    # time: Triton's launcher encodes every descriptor on every call).  The window bounds are compared, never
+    # indexed with: no specialisation (1 and multiples of 16 would each be a compile of their own).
+    @gluon.jit(do_not_specialize=["win_left", "win_right"])
+    def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, group,
+                         qk_scale, win_left, win_right, slopes_ptr, slope_stride, HEAD_DIM: gl.constexpr,
+                         CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
+                         EARLY_K: gl.constexpr, ALIBI: gl.constexpr):
+        _fwd_body(q_desc, k_desc, v_desc, o_desc, q_desc, k_desc, v_desc, o_desc, lse_ptr, lse2_ptr, seqlen_q,
+                  seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr, slope_stride, HEAD_DIM, CAUSAL,
+                  WINDOW, STAGES, CONSUMER_REGS, EARLY_K, False, ALIBI)
+
+    @gluon.jit(do_not_specialize=["win_left", "win_right"])
+    def _attn_fwd_hopper_split(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, v1_desc, o1_desc, lse_ptr, lse2_ptr,
+                               seqlen_q, seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr,
+                               slope_stride, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                               STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EARLY_K: gl.constexpr,
+                               ALIBI: gl.constexpr):
+        _fwd_body(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, v1_desc, o1_desc, lse_ptr, lse2_ptr, seqlen_q,
+                  seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr, slope_stride, HEAD_DIM, CAUSAL,
+                  WINDOW, STAGES, CONSUMER_REGS, EARLY_K, True, ALIBI)
+
     _launch = DirectLauncher(_attn_fwd_hopper)
+    _launch_split = DirectLauncher(_attn_fwd_hopper_split)
 
 
 _GL_DTYPES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
@@ -582,6 +603,8 @@ def variant_key(spec) -> tuple:
 def launch_args(spec, q, k, v, out, lse, lse2, alibi=None) -> tuple:
     """(grid, args, meta) of the kernel's launch for a call `reasons` accepts, writing out, lse and lse2; alibi:
     the float32 slopes [Hq] or [B, Hq] (spec.alibi)."""
+    if (alibi is None) != (spec.alibi is None):
+        raise ValueError("alibi slopes must be passed exactly when the call has them (spec.alibi)")
     b, sq, hq, d = q.shape
     tiles = TILES[d]
     d0 = d - tiles.split
@@ -589,13 +612,17 @@ def launch_args(spec, q, k, v, out, lse, lse2, alibi=None) -> tuple:
               _descriptor(out, BLOCK_M, c)) for c in ((d0, tiles.split) if tiles.split else (d0,))]
     kind = spec.visibility.kind
     slopes = None if alibi is None else alibi.contiguous()
-    args = (*parts[0], *parts[-1], lse, lse2, sq, spec.seqlen_k, hq, spec.group_size, spec.softmax_scale * LOG2E,
-            *window_bounds(spec), lse if slopes is None else slopes,
+    args = (*(p for part in parts for p in part), lse, lse2, sq, spec.seqlen_k, hq, spec.group_size,
+            spec.softmax_scale * LOG2E, *window_bounds(spec), lse if slopes is None else slopes,
             slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0)
     meta = dict(HEAD_DIM=d, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
-                CONSUMER_REGS=tiles.consumer_regs, EARLY_K=tiles.early_k, SPLIT=bool(tiles.split),
-                ALIBI=slopes is not None, num_warps=4)
+                CONSUMER_REGS=tiles.consumer_regs, EARLY_K=tiles.early_k, ALIBI=slopes is not None, num_warps=4)
     return (sq // TILE, b * hq), args, meta
+
+
+def launcher(spec):
+    """The kernel entry point of the call: two-part head dims (Tiles.split) carry a second set of descriptors."""
+    return _launch_split if TILES[spec.head_dim].split else _launch
 
 
 def forward(spec, q, k, v, warmup: bool = False, alibi=None):
@@ -608,13 +635,13 @@ def forward(spec, q, k, v, warmup: bool = False, alibi=None):
     lse = torch.empty(b, hq, sq, dtype=torch.float32, device=q.device)
     lse2 = torch.empty_like(lse)
     grid, args, meta = launch_args(spec, q, k, v, out, lse, lse2, alibi)
-    kind = spec.visibility.kind
+    launch = launcher(spec)
     if warmup:
-        return _launch.compile(grid, args, meta)
+        return launch.compile(grid, args, meta)
     variant = variant_key(spec)
     if variant not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
-            _launch.compile(grid, args, meta)
+            launch.compile(grid, args, meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernel"
             broken[variant] = f"{type(e).__name__}: {e}"[:300]
             warnings.warn(f"flashport: the Hopper forward failed to compile for {variant} and is switched off "
@@ -622,5 +649,5 @@ def forward(spec, q, k, v, warmup: bool = False, alibi=None):
                           stacklevel=3)
             return None
         _compiled.add(variant)
-    _launch(grid, args, meta)
+    launch(grid, args, meta)
     return out, lse, lse2

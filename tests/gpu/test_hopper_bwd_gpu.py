@@ -96,6 +96,26 @@ def test_window_calls_conform(case, dtype, served, monkeypatch):
     assert served, "the Hopper backward did not serve this window"
 
 
+# ALiBi (FLASHPORT_HOPPER_BWD_ALIBI=1): P recomputed with -slope * |i + Sk - Sq - j| from the lse of either forward
+# (the Gluon one where FLASHPORT_HOPPER_FWD_ALIBI=1 too, else the Triton one): per-head and per-batch slopes, causal,
+# Sq != Sk, ragged lengths, GQA.
+ALIBI = [
+    (Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=128, causal=True, alibi="head"), "1"),
+    (Case(b=2, sq=384, sk=640, hq=4, hkv=2, d=128, alibi="batch_head"), "0"),
+    (Case(b=1, sq=512, sk=512, hq=4, hkv=1, d=64, causal=True, alibi="batch_head"), "1"),
+    (Case(b=2, sq=300, sk=300, hq=2, hkv=2, d=64, causal=True, alibi="head"), "0"),     # ragged: Triton forward
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case, fwd_alibi", ALIBI, ids=str)
+def test_alibi_calls_conform(case, fwd_alibi, dtype, served, monkeypatch):
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_ALIBI", "1")
+    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_ALIBI", fwd_alibi)
+    check_dense(None, case.replace(dtype=dtype), DEV, grads=True)
+    assert served, "the Hopper backward did not serve this ALiBi call"
+
+
 DECLINED = [
     Case(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, causal=True, deterministic=True),   # unordered dQ sums: never
     Case(b=1, sq=100, sk=256, hq=2, hkv=2, d=128),                   # shorter than one tile

@@ -96,8 +96,12 @@ SPLIT = [
 def test_split_head_dims_conform(case, dtype, served, monkeypatch):
     monkeypatch.setenv("FLASHPORT_HOPPER_FWD_SPLIT", "1")
     monkeypatch.setenv("FLASHPORT_HOPPER_FWD_WINDOW", "1")
+    flashport.reset_stats()
     check_dense(None, case.replace(dtype=dtype), DEV, grads=True)
     assert served, "the Hopper kernel did not serve this head dim"
+    # the backward pairs with the Triton kernels, never blockwise (PyTorch ops tile by tile: dispatch.options ranks it
+    # last on a GPU)
+    assert not flashport.stats().get("blockwise", {}).get("backward"), flashport.stats()
 
 
 # ALiBi (FLASHPORT_HOPPER_FWD_ALIBI=1): the Gluon forward adds -slope * |i + Sk - Sq - j| in the log2 domain, and
@@ -110,6 +114,7 @@ ALIBI = [
     Case(b=2, sq=256, sk=256, hq=4, hkv=2, d=80, causal=True, alibi="batch_head"),
     Case(b=1, sq=512, sk=512, hq=2, hkv=2, d=96, causal=True, alibi="head"),
     Case(b=1, sq=512, sk=512, hq=2, hkv=2, d=128, window=(100, 0), alibi="head"),
+    Case(b=2, sq=384, sk=896, hq=4, hkv=2, d=96, alibi="batch_head"),     # two parts, Sq != Sk
 ]
 
 

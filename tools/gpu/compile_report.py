@@ -184,14 +184,15 @@ def compile_hopper_fwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
 
 def compile_hopper_bwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
     """Compile the Gluon Hopper backward (kernels/attn_bwd_hopper.py) for each head dim it serves (default: its
-    DEFAULT table), with no mask, causal, and a sliding window (left 64, right 0), per dtype."""
+    DEFAULT table), with no mask, causal, a sliding window (left 64, right 0) and causal with ALiBi, per dtype."""
     from flashport.kernels import attn_bwd_hopper
     from flashport.spec import dense_spec
     rows = []
     for d in ds or sorted(attn_bwd_hopper.DEFAULT):
         tiles = attn_bwd_hopper.VARIANTS[attn_bwd_hopper.DEFAULT[d]]
         for dtype in dtypes:
-            for mask, kw in (("none", {}), ("causal", dict(causal=True)), ("window", dict(window_size=(64, 0)))):
+            for mask, kw in (("none", {}), ("causal", dict(causal=True)), ("window", dict(window_size=(64, 0))),
+                             ("alibi", dict(causal=True, alibi_slopes=torch.ones(2 * gqa)))):
                 q = torch.zeros(1, 256, 2 * gqa, d, dtype=dtype)
                 k = torch.zeros(1, 256, 2, d, dtype=dtype)
                 spec, _ = dense_spec(q, k, k, **{**dict(causal=False, softmax_scale=None, window_size=(-1, -1),
@@ -203,7 +204,7 @@ def compile_hopper_bwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
                 lse2 = torch.zeros(1, 2 * gqa, 256)
                 try:
                     rows.append({**row, **report(attn_bwd_hopper.backward(spec, q, q, k, k, None, lse2, lse2,
-                                                                          warmup=True))})
+                                                                          warmup=True, alibi=kw.get("alibi_slopes")))})
                 except Exception as e:  # noqa: BLE001 - a variant the compiler rejects is reported, not fatal
                     rows.append({**row, "error": f"{type(e).__name__}: {e}"[:500]})
     return rows

@@ -2,7 +2,7 @@
 # The next session's device calls, on one warm machine; each part returns $OUT/<part>.tgz (rewritten after every
 # step and every 20 s, so a call cut at its limit still brings back what finished):
 #   PART=a (carry .fa4a): FA4 step 1; the Hopper forward's and backward's GPU tiers with the cases of the variants
-#          built without a GPU (PERFLOG rows 78, 79, 81, 82: test_window_calls_conform, test_split_head_dims_conform
+#          built without a GPU (PERFLOG rows 78, 79, 81-83: test_window_calls_conform, test_split_head_dims_conform
 #          and test_alibi_calls_conform set their switches), then tools/gpu/probe_hopper_variants.py (the rows' timings, switches off and on)
 #   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; the programmable suite with every peer (builtin-fa4: row
 #          80, FA4's varlen through the backend), the new variants' switches on where part a found them green (NEW=1)
@@ -21,14 +21,14 @@ b)
   fa4_step2
   mkdir -p "$R/programmable"
   FLASHPORT_HOPPER_FWD_WINDOW=${NEW:-0} FLASHPORT_HOPPER_BWD_WINDOW=${NEW:-0} FLASHPORT_HOPPER_FWD_ALIBI=${NEW:-0} \
-      timeout ${MASK_SECONDS:-420} python -m flashport bench --suite programmable --out "$R/programmable" --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin,builtin-fa4 2>&1 \
+      FLASHPORT_HOPPER_BWD_ALIBI=${NEW:-0} timeout ${MASK_SECONDS:-420} python -m flashport bench --suite programmable --out "$R/programmable" --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin,builtin-fa4 2>&1 \
       | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
   echo "programmable rc=${PIPESTATUS[0]}"; grep -E " ok | failed " "$R/programmable/bench.log" | cut -c1-110
   ;;
-c) fa4_env   # the fuzz with the new variants' switches on, so its Gluon regimes reach them (rows 78, 79, 81, 82)
+c) fa4_env   # the fuzz with the new variants' switches on, so its Gluon regimes reach them (rows 78, 79, 81-83)
    tier contents:40 decode:50 compile:100 operability:100 triton:150
    FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW=1 FLASHPORT_HOPPER_FWD_SPLIT=1 FLASHPORT_HOPPER_FWD_ALIBI=1 \
-       tier fuzz:200 ;;
+       FLASHPORT_HOPPER_BWD_ALIBI=1 tier fuzz:200 ;;
 d) fa4_env; TRITON_N=${TRITON_N:-40} programmable_tier ${PROG_SECONDS:-500} ;;
 esac
 save; ls -la "$OUT"

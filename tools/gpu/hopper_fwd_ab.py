@@ -84,7 +84,7 @@ def make_fn(impl: str, shape, spec, q, k, v, tiles=None):
                 r = attn_fwd_hopper.forward(spec, q, k, v)
             if r is None:
                 raise RuntimeError("failed to compile: " + attn_fwd_hopper.broken.get(
-                    (q.dtype, shape.d, spec.visibility.kind, q.device), "?"))
+                    attn_fwd_hopper.variant_key(spec), "?"))
             return r[0], r[1]
         return gluon
     if impl == "triton":

@@ -97,7 +97,7 @@ def stages(d: int, causal: bool, only: str = "") -> dict:
         "attn_fwd.forward": lambda: attn_fwd.forward(spec, q, k, v),
         "attn_fwd_hopper.reasons": lambda: attn_fwd_hopper.reasons(spec, q, k, v),
         "attn_fwd_hopper.forward": lambda: attn_fwd_hopper.forward(spec, q, k, v),
-        "launch only (DirectLauncher, prebuilt args)": lambda: attn_fwd_hopper._launch(grid, args, meta),
+        "launch only (DirectLauncher, prebuilt args)": lambda: attn_fwd_hopper.launcher(spec)(grid, args, meta),
         "3 allocations (out, lse, lse2)": lambda: (torch.empty_like(q), torch.empty(1, 1, 512, device=dev),
                                                    torch.empty(1, 1, 512, device=dev)),
         "4 descriptors (Desc objects)": lambda: [attn_fwd_hopper._descriptor(t, 64) for t in (q, k, v, out)],
