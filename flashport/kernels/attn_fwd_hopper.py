@@ -205,6 +205,18 @@ if gluon is not None:
     # HEAD_DIM of the K/V ring, so every partition reads them off its shared-memory descriptors.
 
     @gluon.jit
+    def _load(desc, desc1, bar, buf, buf1, row, col, D0: gl.constexpr, SPLIT: gl.constexpr):
+        """TMA: the tile at (row, col) into buf, and with SPLIT its columns from D0 on through desc1 into buf1; one
+        barrier expects every byte."""
+        if SPLIT:
+            mbarrier.expect(bar, desc.block_type.nbytes + desc1.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc, [row, col], bar, buf)
+            tma.async_copy_global_to_shared(desc1, [row, col + D0], bar, buf1)
+        else:
+            mbarrier.expect(bar, desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc, [row, col], bar, buf)
+
+    @gluon.jit
     def _producer(q_desc, k_desc, v_desc, q_smem, k_smem, v_smem, q1_desc, k1_desc, v1_desc, q1_smem, k1_smem,
                   v1_smem, q_ready, k_ready, v_ready, k_empty, v_empty, seqlen_q, seqlen_k, heads_q, group, win_left,
                   win_right, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
@@ -221,14 +233,7 @@ if gluon is not None:
         pid_bh = gl.program_id(1)
         b = pid_bh // heads_q
         h = pid_bh % heads_q
-        q_row = b * seqlen_q + pid_m * TILE
-        if SPLIT:
-            mbarrier.expect(q_ready, q_desc.block_type.nbytes + q1_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_ready, q_smem)
-            tma.async_copy_global_to_shared(q1_desc, [q_row, h * HEAD_DIM + D0], q_ready, q1_smem)
-        else:
-            mbarrier.expect(q_ready, q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row, h * HEAD_DIM], q_ready, q_smem)
+        _load(q_desc, q1_desc, q_ready, q_smem, q1_smem, b * seqlen_q + pid_m * TILE, h * HEAD_DIM, D0, SPLIT)
         kv_row = b * seqlen_k
         kv_col = (h // group) * HEAD_DIM
         n_tiles = seqlen_k // BLOCK_N
@@ -242,22 +247,10 @@ if gluon is not None:
             row = kv_row + j * BLOCK_N
             # First lap: a fresh barrier's parity 1 counts as completed, so the ring starts empty.
             mbarrier.wait(k_empty.index(s), ((j // STAGES) & 1) ^ 1)
-            if SPLIT:
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes + k1_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
-                tma.async_copy_global_to_shared(k1_desc, [row, kv_col + D0], k_ready.index(s), k1_smem.index(s))
-            else:
-                mbarrier.expect(k_ready.index(s), k_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(k_desc, [row, kv_col], k_ready.index(s), k_smem.index(s))
+            _load(k_desc, k1_desc, k_ready.index(s), k_smem.index(s), k1_smem.index(s), row, kv_col, D0, SPLIT)
             if EARLY_K:
                 mbarrier.wait(v_empty.index(s), ((j // STAGES) & 1) ^ 1)
-            if SPLIT:
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes + v1_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
-                tma.async_copy_global_to_shared(v1_desc, [row, kv_col + D0], v_ready.index(s), v1_smem.index(s))
-            else:
-                mbarrier.expect(v_ready.index(s), v_desc.block_type.nbytes)
-                tma.async_copy_global_to_shared(v_desc, [row, kv_col], v_ready.index(s), v_smem.index(s))
+            _load(v_desc, v1_desc, v_ready.index(s), v_smem.index(s), v1_smem.index(s), row, kv_col, D0, SPLIT)
 
     @gluon.jit
     def _key_tiles(pid_m, seqlen_k, win_left, win_right, TILE: gl.constexpr, BLOCK_N: gl.constexpr):
