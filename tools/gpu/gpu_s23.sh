@@ -3,25 +3,29 @@
 # step and every 20 s, so a call cut at its limit still brings back what finished):
 #   PART=a (carry .fa4a): FA4 step 1; the Hopper forward's and backward's GPU tiers with the cases of the variants
 #          built without a GPU (PERFLOG rows 78, 79, 81-83: test_window_calls_conform, test_split_head_dims_conform
-#          and test_alibi_calls_conform set their switches), then tools/gpu/probe_hopper_variants.py (the rows' timings, switches off and on)
-#   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; the programmable suite with every peer (builtin-fa4: row
-#          80, FA4's varlen through the backend), the new variants' switches on where part a found them green (NEW=1)
+#          and test_alibi_calls_conform set their switches)
+#   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; tools/gpu/probe_hopper_variants.py (rows 78-83's timings,
+#          switches off and on, one process); the programmable suite with every peer (builtin-fa4: row 80, FA4's
+#          varlen through the backend), the new variants' switches on where part a found them green (NEW=1)
 #   PART=c (FA4 still installed): the rest of the GPU tier, file by file, with a fresh machine's limits (the fuzz
 #          with the new variants' switches on)
 #   PART=d: the programmable GPU tier, one limit per test (mods fuzz counts 100 / 40 / 40)
+# Call a carries .fa4a (48 MiB), and the working tree (~17 MiB, results/ ~15 of it) with it passes the device's
+# 64 MiB: move results/ out of the tree for that call and back after (the 22nd session did), e.g.
+#   mv results /tmp/results_hold  ...  mv /tmp/results_hold results
 SESSION=s23; . "$(dirname "$0")/session.sh"
 case "$PART" in
 a)
   fa4_step1
-  tier hopper_fwd:150 hopper_bwd:200
-  timeout ${PROBE_SECONDS:-200} python tools/gpu/probe_hopper_variants.py --out "$R/probe_hopper_variants.jsonl" 2>&1 \
-      | grep -v "Warning\|warn(" | tail -20; save
+  tier hopper_fwd:270 hopper_bwd:270   # ~40 more cases than in the 21st session, each new variant a compile
   ;;
 b)
   fa4_step2
+  timeout ${PROBE_SECONDS:-180} python tools/gpu/probe_hopper_variants.py --out "$R/probe_hopper_variants.jsonl" 2>&1 \
+      | grep -v "Warning\|warn(" | tail -24; save
   mkdir -p "$R/programmable"
   FLASHPORT_HOPPER_FWD_WINDOW=${NEW:-0} FLASHPORT_HOPPER_BWD_WINDOW=${NEW:-0} FLASHPORT_HOPPER_FWD_ALIBI=${NEW:-0} \
-      FLASHPORT_HOPPER_BWD_ALIBI=${NEW:-0} timeout ${MASK_SECONDS:-420} python -m flashport bench --suite programmable --out "$R/programmable" --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin,builtin-fa4 2>&1 \
+      FLASHPORT_HOPPER_BWD_ALIBI=${NEW:-0} timeout ${MASK_SECONDS:-360} python -m flashport bench --suite programmable --out "$R/programmable" --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin,builtin-fa4 2>&1 \
       | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
   echo "programmable rc=${PIPESTATUS[0]}"; grep -E " ok | failed " "$R/programmable/bench.log" | cut -c1-110
   ;;
