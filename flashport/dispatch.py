@@ -373,12 +373,7 @@ def options(spec: AttnSpec, tried: list | None = None, quarantine: bool = True, 
             tried.append(f"  - {b.name} (backward): " + "; ".join(rb))
 
     def ranked(bs, role):
-        # a backend slow on a GPU (blockwise: PyTorch ops tile by tile) comes after every other there, whatever it
-        # prefers: else it would pair as the backward of a forward whose usual partner does not prefer the call
-        # (a Gluon forward at D=96, whose Triton backward defers to cuDNN's own plan)
-        slow = [b for b in bs if spec.device.type == "cuda" and getattr(b, "slow_on_gpu", False)]
-        rest = [b for b in bs if b not in slow]
-        return [b for b in rest if b.prefers(spec, role)] + [b for b in rest if not b.prefers(spec, role)] + slow
+        return _ranked(bs, spec, role)
 
     plans = []
     for f in ranked(fwd_ok, "fwd"):
@@ -390,6 +385,16 @@ def options(spec: AttnSpec, tried: list | None = None, quarantine: bool = True, 
         else:
             plans += [Plan(f, b) for b in ranked([b for b in bwd_ok if b.caps.saved_state == "lse"], "bwd")]
     return plans
+
+
+def _ranked(bs: list, spec: AttnSpec, role: str) -> list:
+    """Static priority: those that prefer the call, then the others; a backend slow on a GPU (blockwise: PyTorch ops
+    tile by tile) after every other there, whatever it prefers.  Else it would pair as the backward of a forward
+    whose usual partner does not prefer the call (a Gluon forward at D=96, whose Triton backward defers to cuDNN's
+    own plan), or run whole calls that cuDNN cannot serve at such head dims (ALiBi, softcap)."""
+    slow = [b for b in bs if spec.device.type == "cuda" and getattr(b, "slow_on_gpu", False)]
+    rest = [b for b in bs if b not in slow]
+    return [b for b in rest if b.prefers(spec, role)] + [b for b in rest if not b.prefers(spec, role)] + slow
 
 
 def _lse_plans(spec: AttnSpec, plans: list[Plan], state: str) -> list[Plan]:

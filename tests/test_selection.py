@@ -187,3 +187,29 @@ def test_every_shipped_table_reads_under_its_own_key():
         assert t.buckets and all(table._split(name) for name in t.buckets), p
         used = {b for entry in t.buckets.values() for role in entry.values() for b in role}
         assert used <= names, (p, used - names)
+
+
+def test_a_backend_slow_on_a_gpu_ranks_last_there_whatever_it_prefers():
+    """dispatch._ranked, the static priority: preferring backends first, then the others; on CUDA a slow_on_gpu
+    backend (blockwise) after all of them.  It used to rank first wherever the Triton kernels deferred an odd head
+    dim to cuDNN and cuDNN could not serve the call (ALiBi at D=96), running the whole call on PyTorch ops."""
+    import dataclasses
+
+    class Fake:
+        def __init__(self, name, prefers, slow=False):
+            self.name, self._prefers, self.slow_on_gpu = name, prefers, slow
+
+        def prefers(self, spec, role):
+            return self._prefers
+
+    q = torch.empty(1, 256, 4, 96, dtype=torch.bfloat16, device="meta")
+    spec, _ = dense_spec(q, q, q, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                         alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+    blockwise, triton, gluon = Fake("blockwise", True, slow=True), Fake("triton", False), Fake("gluon", True)
+    on_gpu = dataclasses.replace(spec, device=torch.device("cuda", 0))
+    assert [b.name for b in dispatch._ranked([blockwise, triton, gluon], on_gpu, "bwd")] == ["gluon", "triton",
+                                                                                             "blockwise"]
+    on_cpu = dataclasses.replace(spec, device=torch.device("cpu"))   # there it is the fast path
+    assert [b.name for b in dispatch._ranked([blockwise, triton, gluon], on_cpu, "bwd")] == ["blockwise", "gluon",
+                                                                                             "triton"]
+    assert BlockwiseBackend.slow_on_gpu
