@@ -10,6 +10,7 @@
 #   PART=c (FA4 still installed): the rest of the GPU tier, file by file, with a fresh machine's limits (the fuzz
 #          with the new variants' switches on)
 #   PART=d: the programmable GPU tier, one limit per test (mods fuzz counts 100 / 40 / 40)
+#   PART=e: tools/gpu/hopper_fwd_ab.py at D = 80, 96 (row 81's length floors, a deeper ring, outputs vs Triton/cuDNN)
 # Call a carries .fa4a (48 MiB), and the working tree (~17 MiB, results/ ~15 of it) with it passes the device's
 # 64 MiB: move results/ out of the tree for that call and back after (the 22nd session did), e.g.
 #   mv results /tmp/results_hold  ...  mv /tmp/results_hold results
@@ -29,6 +30,10 @@ b)
       | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
   echo "programmable rc=${PIPESTATUS[0]}"; grep -E " ok | failed " "$R/programmable/bench.log" | cut -c1-110
   ;;
+e) # PERFLOG row 81's floors and ring depth: the two-part head dims against Triton and cuDNN in one process, the
+   # table's rings against one stage deeper (D=96: 4 stages, 216 KiB; D=80: 5, 220 KiB), outputs compared per cell
+   timeout ${AB_SECONDS:-300} python tools/gpu/hopper_fwd_ab.py --out "$R/hopper_fwd_ab_split.json" --d 80 96 \
+       --variant 96:128:4:240 --variant 80:128:5:240 --budget-s 240 --suggest 2>&1 | tail -30 ;;
 c) fa4_env   # the fuzz with the new variants' switches on, so its Gluon regimes reach them (rows 78, 79, 81-83)
    tier contents:40 decode:50 compile:100 operability:100 triton:150
    FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW=1 FLASHPORT_HOPPER_FWD_SPLIT=1 FLASHPORT_HOPPER_FWD_ALIBI=1 \

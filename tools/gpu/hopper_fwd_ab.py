@@ -60,15 +60,16 @@ def _tiles(d: int, tiles):
 
 
 def parse_variant(text: str):
-    """'D:BLOCK_N:STAGES:REGS[:EARLY_K]' (EARLY_K 0 or 1, default 0) -> (D, Tiles)."""
-    from flashport.kernels.attn_fwd_hopper import Tiles
+    """'D:BLOCK_N:STAGES:REGS[:EARLY_K]' (EARLY_K 0 or 1, default 0) -> (D, Tiles); a head dim that runs as two
+    column parts keeps the table's split."""
+    from flashport.kernels.attn_fwd_hopper import TILES, Tiles
     try:
         d, n, st, regs, *early = (int(x) for x in text.split(":"))
         if len(early) > 1:
             raise ValueError
     except ValueError:
         raise argparse.ArgumentTypeError(f"--variant wants D:BLOCK_N:STAGES:REGS[:EARLY_K], got {text!r}") from None
-    return d, Tiles(n, st, regs, bool(early and early[0]))
+    return d, Tiles(n, st, regs, bool(early and early[0]), TILES[d].split if d in TILES else 0)
 
 
 def variant_name(tiles) -> str:
