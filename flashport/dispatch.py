@@ -372,18 +372,15 @@ def options(spec: AttnSpec, tried: list | None = None, quarantine: bool = True, 
         elif spec.needs_grad and b.caps.saved_state == "lse" and not rf:
             tried.append(f"  - {b.name} (backward): " + "; ".join(rb))
 
-    def ranked(bs, role):
-        return _ranked(bs, spec, role)
-
     plans = []
-    for f in ranked(fwd_ok, "fwd"):
+    for f in _ranked(fwd_ok, spec, "fwd"):
         if not spec.needs_grad:
             plans.append(Plan(f, f))
         elif f.caps.saved_state == "own":
             if f in bwd_ok:
                 plans.append(Plan(f, f))
         else:
-            plans += [Plan(f, b) for b in ranked([b for b in bwd_ok if b.caps.saved_state == "lse"], "bwd")]
+            plans += [Plan(f, b) for b in _ranked([b for b in bwd_ok if b.caps.saved_state == "lse"], spec, "bwd")]
     return plans
 
 

@@ -120,6 +120,15 @@ def rejecting_launcher():
     return DirectLauncher(Rejecting())
 
 
+def check_served_with(switches: dict, case: Case, served: list, monkeypatch, device="cuda") -> None:
+    """check_dense on backend=None (gradients included) with these environment switches set, and the kernel that
+    `served` counts (served_calls) must have served the call: a variant behind a switch is checked where it runs."""
+    for name, value in switches.items():
+        monkeypatch.setenv(name, value)
+    check_dense(None, case, device, grads=True)
+    assert served, f"the kernel behind {', '.join(switches)} did not serve {case}"
+
+
 def served_calls(monkeypatch, module, name: str) -> list:
     """Wrap module.name (a kernel entry that returns None when it declines at compile time and the
     Triton kernels run instead) so that the spec of every call it actually served is recorded."""

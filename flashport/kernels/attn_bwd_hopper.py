@@ -54,8 +54,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from .attn_fwd_hopper import (_capability, _descriptor, feature_reasons, variant_key,  # shared with the forward
-                              window_bounds)
+from .attn_fwd_hopper import (_capability, _descriptor, alibi_args, feature_reasons,  # shared with the forward
+                              variant_key, window_bounds)
 from .. import env
 from .launch import DirectLauncher
 from .versions import is_tested, tested_text
@@ -150,7 +150,7 @@ if gluon is not None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                   src.handle)
 
-    _BLOCK_M, _BLOCK_N = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N)
+    _BLOCK_M, _BLOCK_N, _LOG2E = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N), gl.constexpr(LOG2E)
     _WG_N, _CONSUMER_REGS = gl.constexpr(WG_N), gl.constexpr(CONSUMER_REGS)
     # The head dim and the ring's depth travel in the shapes (q_smem: [STAGES, BLOCK_M, HEAD_DIM]), so every
     # partition reads them off its shared-memory descriptors.
@@ -366,7 +366,7 @@ if gluon is not None:
         diag = seqlen_k - seqlen_q   # bottom-right alignment: query row r's diagonal key is r + diag
         slope2 = 0.0
         if ALIBI:
-            slope2 = gl.load(slopes_ptr + b * slope_stride + h) * 1.4426950408889634
+            slope2 = gl.load(slopes_ptr + b * slope_stride + h) * _LOG2E
         mbarrier.wait(kv_ready, 0)
         for i in range(n_iter):
             dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
@@ -469,9 +469,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     (tools/gpu/gluon_bwd_probe.py).  dq_accum: the float32 [B, Sq, Hq, D] buffer dQ is added into, already zeroed
     (attn_bwd's preprocess does it in the launch that computes Delta); default: a fresh torch.zeros.  alibi: the
     float32 slopes [Hq] or [B, Hq] (spec.alibi)."""
-    if (alibi is None) != (spec.alibi is None):
-        raise ValueError("alibi slopes must be passed exactly when the call has them (spec.alibi)")
-    slopes = None if alibi is None else alibi.contiguous()
+    slopes, slope_stride, has_alibi = alibi_args(spec, alibi, lse2)
     b, sq, hq, d = q.shape
     tiles = VARIANTS[variant or DEFAULT[d]]
     sk = k.shape[1]
@@ -494,12 +492,11 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     # dq_accum's descriptor: [64, D / 2] float32 boxes (one warpgroup's half of dQ_j), for the reduce-adds.
     args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
             _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dk_out, dv_out, sq, sk, group,
-            spec.softmax_scale * LOG2E, spec.softmax_scale, *window_bounds(spec), lse2 if slopes is None else slopes,
-            slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0)
+            spec.softmax_scale * LOG2E, spec.softmax_scale, *window_bounds(spec), slopes, slope_stride)
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and mask kind.
     kind = spec.visibility.kind
     meta = dict(HEADS_Q=hq, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
-                DQ_BUFS=tiles.dq_bufs, RAGGED=ragged, ALIBI=slopes is not None, num_warps=4)
+                DQ_BUFS=tiles.dq_bufs, RAGGED=ragged, ALIBI=has_alibi, num_warps=4)
     if warmup:
         return _launch.compile(grid, args, meta)
     key = variant_key(spec)

@@ -127,6 +127,17 @@ def window_bounds(spec) -> tuple[int, int]:
     return (spec.window_left if spec.window_left >= 0 else far), (spec.window_right if spec.window_right >= 0 else far)
 
 
+def alibi_args(spec, alibi, stand_in: torch.Tensor) -> tuple:
+    """(slopes pointer, batch stride, ALIBI) of both Hopper kernels' launches: the float32 slopes [Hq] or [B, Hq],
+    which a call has exactly when spec.alibi says so; stand_in is any tensor the kernel never reads (no ALiBi)."""
+    if (alibi is None) != (spec.alibi is None):
+        raise ValueError("alibi slopes must be passed exactly when the call has them (spec.alibi)")
+    if alibi is None:
+        return stand_in, 0, False
+    slopes = alibi.contiguous()
+    return slopes, slopes.stride(0) if slopes.dim() == 2 else 0, True
+
+
 def feature_reasons(spec, windows: bool = False, alibi: bool = False) -> list[str]:
     """The call features both Hopper kernels (this forward and kernels/attn_bwd_hopper.py) leave to the
     Triton kernels: the first one present, or [] for a plain bf16/fp16 call, causal only with Sq == Sk.
@@ -200,6 +211,7 @@ def spec_reasons(spec, length_floor: bool = True) -> list[str]:
 
 if gluon is not None:
     _BLOCK_M = gl.constexpr(BLOCK_M)   # a jit function reads only constexpr globals
+    _LOG2E = gl.constexpr(LOG2E)
 
     # The per-head-dim sizes travel in the shapes: TILE x HEAD_DIM of the Q tile, STAGES x BLOCK_N x
     # HEAD_DIM of the K/V ring, so every partition reads them off its shared-memory descriptors.
@@ -275,16 +287,14 @@ if gluon is not None:
         that left out `edge` would skip its mask silently.  ALIBI: the log2-domain scores less slope2 * |r + diag
         - c| (kernels/common.transform_log2's formula, so the Triton backward recomputes the same P)."""
         BLOCK_N: gl.constexpr = s_ij.shape[1]
+        cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_ij.type.layout))   # the tile's keys
         if MASKED:
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_ij.type.layout))
             s_ij = gl.where(cols[None, :] <= rows[:, None], s_ij, float("-inf"))
         if WINDOW:
             if edge:
-                cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_ij.type.layout))
                 seen = (cols[None, :] + win_left >= rows[:, None]) & (cols[None, :] <= rows[:, None] + win_right)
                 s_ij = gl.where(seen, s_ij, float("-inf"))
         if ALIBI:   # the bias differs per element: scale first, then the row max
-            cols = j * BLOCK_N + gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, s_ij.type.layout))
             # |r + diag - c| in float32: exact below 2^24, and one FADD per score instead of integer ops
             dist = gl.abs(cols.to(gl.float32)[None, :] - (rows + diag).to(gl.float32)[:, None])
             s_ij = s_ij * qk_scale - slope2 * dist
@@ -373,7 +383,7 @@ if gluon is not None:
         diag = seqlen_k - seqlen_q   # bottom-right alignment: row r's diagonal key is r + diag
         slope2 = 0.0
         if ALIBI:
-            slope2 = gl.load(slopes_ptr + (pid_bh // heads_q) * slope_stride + pid_bh % heads_q) * 1.4426950408889634
+            slope2 = gl.load(slopes_ptr + (pid_bh // heads_q) * slope_stride + pid_bh % heads_q) * _LOG2E
         row0 = pid_m * TILE + WG * _BLOCK_M
         rows = row0 + gl.arange(0, _BLOCK_M, layout=row_s)
         n_tiles = seqlen_k // BLOCK_N
@@ -596,20 +606,17 @@ def variant_key(spec) -> tuple:
 def launch_args(spec, q, k, v, out, lse, lse2, alibi=None) -> tuple:
     """(grid, args, meta) of the kernel's launch for a call `reasons` accepts, writing out, lse and lse2; alibi:
     the float32 slopes [Hq] or [B, Hq] (spec.alibi)."""
-    if (alibi is None) != (spec.alibi is None):
-        raise ValueError("alibi slopes must be passed exactly when the call has them (spec.alibi)")
+    slopes, slope_stride, has_alibi = alibi_args(spec, alibi, lse)
     b, sq, hq, d = q.shape
     tiles = TILES[d]
     d0 = d - tiles.split
     parts = [(_descriptor(q, TILE, c), _descriptor(k, tiles.block_n, c), _descriptor(v, tiles.block_n, c),
               _descriptor(out, BLOCK_M, c)) for c in ((d0, tiles.split) if tiles.split else (d0,))]
     kind = spec.visibility.kind
-    slopes = None if alibi is None else alibi.contiguous()
     args = (*(p for part in parts for p in part), lse, lse2, sq, spec.seqlen_k, hq, spec.group_size,
-            spec.softmax_scale * LOG2E, *window_bounds(spec), lse if slopes is None else slopes,
-            slopes.stride(0) if slopes is not None and slopes.dim() == 2 else 0)
+            spec.softmax_scale * LOG2E, *window_bounds(spec), slopes, slope_stride)
     meta = dict(HEAD_DIM=d, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
-                CONSUMER_REGS=tiles.consumer_regs, EARLY_K=tiles.early_k, ALIBI=slopes is not None, num_warps=4)
+                CONSUMER_REGS=tiles.consumer_regs, EARLY_K=tiles.early_k, ALIBI=has_alibi, num_warps=4)
     return (sq // TILE, b * hq), args, meta
 
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashport
-from conformance import Case, check_dense, kwargs_of, make_inputs, needs_sm90, served_calls
+from conformance import Case, check_dense, check_served_with, kwargs_of, make_inputs, needs_sm90, served_calls
 
 pytestmark = [pytest.mark.gpu, needs_sm90()]
 
@@ -91,9 +91,7 @@ WINDOWS = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", WINDOWS, ids=str)
 def test_window_calls_conform(case, dtype, served, monkeypatch):
-    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_WINDOW", "1")
-    check_dense(None, case.replace(dtype=dtype), DEV, grads=True)
-    assert served, "the Hopper backward did not serve this window"
+    check_served_with({"FLASHPORT_HOPPER_BWD_WINDOW": "1"}, case.replace(dtype=dtype), served, monkeypatch)
 
 
 # ALiBi (FLASHPORT_HOPPER_BWD_ALIBI=1): P recomputed with -slope * |i + Sk - Sq - j| from the lse of either forward
@@ -110,10 +108,8 @@ ALIBI = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case, fwd_alibi", ALIBI, ids=str)
 def test_alibi_calls_conform(case, fwd_alibi, dtype, served, monkeypatch):
-    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_ALIBI", "1")
-    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_ALIBI", fwd_alibi)
-    check_dense(None, case.replace(dtype=dtype), DEV, grads=True)
-    assert served, "the Hopper backward did not serve this ALiBi call"
+    check_served_with({"FLASHPORT_HOPPER_BWD_ALIBI": "1", "FLASHPORT_HOPPER_FWD_ALIBI": fwd_alibi},
+                      case.replace(dtype=dtype), served, monkeypatch)
 
 
 DECLINED = [

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import flashport
-from conformance import Case, check_dense, kwargs_of, make_inputs, needs_sm90, served_calls
+from conformance import Case, check_dense, check_served_with, kwargs_of, make_inputs, needs_sm90, served_calls
 
 pytestmark = [pytest.mark.gpu, needs_sm90()]
 
@@ -74,9 +74,7 @@ WINDOWS = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", WINDOWS, ids=str)
 def test_window_calls_conform(case, dtype, served, monkeypatch):
-    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_WINDOW", "1")
-    check_dense(None, case.replace(dtype=dtype), DEV, grads=True)
-    assert served, "the Hopper kernel did not serve this window"
+    check_served_with({"FLASHPORT_HOPPER_FWD_WINDOW": "1"}, case.replace(dtype=dtype), served, monkeypatch)
 
 
 # Head dims that are not powers of two (FLASHPORT_HOPPER_FWD_SPLIT=1): two column parts, 64 + 16 and 64 + 32, in
@@ -94,11 +92,9 @@ SPLIT = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", SPLIT, ids=str)
 def test_split_head_dims_conform(case, dtype, served, monkeypatch):
-    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_SPLIT", "1")
-    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_WINDOW", "1")
     flashport.reset_stats()
-    check_dense(None, case.replace(dtype=dtype), DEV, grads=True)
-    assert served, "the Hopper kernel did not serve this head dim"
+    check_served_with({"FLASHPORT_HOPPER_FWD_SPLIT": "1", "FLASHPORT_HOPPER_FWD_WINDOW": "1"},
+                      case.replace(dtype=dtype), served, monkeypatch)
     # the backward pairs with the Triton kernels, never blockwise (PyTorch ops tile by tile: dispatch.options ranks it
     # last on a GPU)
     assert not flashport.stats().get("blockwise", {}).get("backward"), flashport.stats()
@@ -121,10 +117,8 @@ ALIBI = [
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case", ALIBI, ids=str)
 def test_alibi_calls_conform(case, dtype, served, monkeypatch):
-    for name in ("FLASHPORT_HOPPER_FWD_ALIBI", "FLASHPORT_HOPPER_FWD_SPLIT", "FLASHPORT_HOPPER_FWD_WINDOW"):
-        monkeypatch.setenv(name, "1")
-    check_dense(None, case.replace(dtype=dtype), DEV, grads=True)
-    assert served, "the Hopper kernel did not serve this ALiBi call"
+    switches = ("FLASHPORT_HOPPER_FWD_ALIBI", "FLASHPORT_HOPPER_FWD_SPLIT", "FLASHPORT_HOPPER_FWD_WINDOW")
+    check_served_with(dict.fromkeys(switches, "1"), case.replace(dtype=dtype), served, monkeypatch)
 
 
 DECLINED = [
