@@ -30,7 +30,7 @@ def bwd(monkeypatch):
 
 
 @pytest.mark.parametrize("kw, reason", [
-    (dict(d=96), "head dim"),
+    (dict(d=72), "head dim"),
     (dict(d=256), "head dim"),
     (dict(deterministic=True), "deterministic=True"),
     (dict(dtype=torch.float32), "bfloat16 / float16"),
@@ -180,4 +180,26 @@ def test_alibi_passes_the_backward_gate_only_behind_its_switch(monkeypatch, bwd)
     spec = dataclasses.replace(spec, device=torch.device("cuda", 0))
     assert "ALiBi" in bwd.reasons(spec, q, k, k, q)[0]
     monkeypatch.setenv("FLASHPORT_HOPPER_BWD_ALIBI", "1")
+    assert bwd.reasons(spec, q, k, k, q) == []
+
+
+def test_split_head_dims_pass_the_gate_only_behind_their_switch(monkeypatch, bwd):
+    """D=80 and D=96 run as two power-of-two column parts (attn_bwd_hopper.SPLIT), behind
+    FLASHPORT_HOPPER_BWD_SPLIT=1; the other head dims are not affected by it."""
+    if bwd.gluon is None:
+        pytest.skip("Gluon not installed")
+    monkeypatch.setattr(bwd, "enabled", lambda: True)
+    monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))
+    for d in (80, 96):
+        spec, q, k = _spec(d=d, causal=d == 96)
+        assert "FLASHPORT_HOPPER_BWD_SPLIT" in bwd.reasons(spec, q, k, k, q)[0]
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_SPLIT", "1")
+    for d in (80, 96):
+        spec, q, k = _spec(d=d, hq=8, hkv=2, s=300)
+        assert bwd.reasons(spec, q, k, k, q) == [], d
+    for kw, reason in ((dict(d=72), "head dim"), (dict(d=96, deterministic=True), "deterministic=True")):
+        spec, q, k = _spec(**kw)
+        assert reason in bwd.reasons(spec, q, k, k, q)[0], kw
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_SPLIT", "0")
+    spec, q, k = _spec(d=128)
     assert bwd.reasons(spec, q, k, k, q) == []

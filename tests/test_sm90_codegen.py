@@ -107,9 +107,10 @@ def test_q_chunked_dkdv_and_the_merge_kernels_compile_for_sm90_without_spills(tm
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="Triton's bundled cuobjdump is missing")
 def test_hopper_backward_compiles_every_mask_variant(tmp_path):
     """The Gluon backward (kernels/attn_bwd_hopper.py), no mask, causal, its sliding-window variant and causal with
-    ALiBi, at each head dim it serves: HGMMA, TMA, setmaxnreg, the registers it touches within the consumers' 240,
-    and at D=64 no spills (D=128 spills in every variant: 8 bytes without a mask, 32 causal, 40 windowed, 80 with
-    ALiBi in the 22nd session's report; the bounds below keep that from growing unnoticed)."""
+    ALiBi, at each head dim it serves (80 and 96 as two column parts): HGMMA, TMA, setmaxnreg, the registers it
+    touches within the consumers' 240, and at D=64, 80, 96 no spills (D=128 spills in every variant: 8 bytes without
+    a mask, 32 causal, 40 windowed, 80 with ALiBi in the 22nd session's report; the bounds below keep that from
+    growing unnoticed)."""
     pytest.importorskip("triton.experimental.gluon")
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -118,7 +119,7 @@ def test_hopper_backward_compiles_every_mask_variant(tmp_path):
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-2000:]
     rows = [r for r in json.loads(out.read_text()) if r["kernel"] == "bwd_hopper"]
-    assert [(r["d"], r["causal"]) for r in rows] == [(d, m) for d in (64, 128)
+    assert [(r["d"], r["causal"]) for r in rows] == [(d, m) for d in (64, 80, 96, 128)
                                                      for m in ("none", "causal", "window", "alibi")]
     for r in rows:
         assert "error" not in r, r["error"]
@@ -126,5 +127,5 @@ def test_hopper_backward_compiles_every_mask_variant(tmp_path):
         assert r["sass"]["HGMMA"] > 0 and r["sass"]["HMMA"] == 0, (r["d"], r["sass"])
         assert any(op.startswith("UTMALDG") for op in ops) and any(op.startswith("USETMAXREG") for op in ops), ops
         assert r["max_register_used"] <= 240, (r["d"], r["causal"], r["max_register_used"])
-        bound = 0 if r["d"] == 64 else 96 if r["causal"] == "alibi" else 48
+        bound = 0 if r["d"] != 128 else 96 if r["causal"] == "alibi" else 48
         assert r["stack_bytes"] <= bound, (r["d"], r["causal"], r["stack_bytes"])

@@ -4,12 +4,12 @@ schedules on sm_90.
 Serves: dense bf16 / fp16 calls with q/k and v of one head dim, causal with Sq == Sk, no softcap or dropout,
 GQA included.  Behind switches, off until a GPU run checks them (the Triton kernels serve these calls otherwise):
 sliding windows with Sq == Sk (FLASHPORT_HOPPER_FWD_WINDOW=1 / FLASHPORT_HOPPER_BWD_WINDOW=1), ALiBi
-(FLASHPORT_HOPPER_FWD_ALIBI=1 / FLASHPORT_HOPPER_BWD_ALIBI=1), and in the forward head dims 80 / 96
-(FLASHPORT_HOPPER_FWD_SPLIT=1).
+(FLASHPORT_HOPPER_FWD_ALIBI=1 / FLASHPORT_HOPPER_BWD_ALIBI=1), and head dims 80 / 96 as two column parts
+(FLASHPORT_HOPPER_FWD_SPLIT=1 / FLASHPORT_HOPPER_BWD_SPLIT=1).
 - forward (kernels/attn_fwd_hopper.py): D = 64, 128 or 256 (80 and 96 behind their switch), Sq and Sk multiples of
   128, lse returned;
-- backward (kernels/attn_bwd_hopper.py): D = 64 or 128, Sq and Sk >= 128 (ragged lengths masked),
-  deterministic=False only (dQ is summed by TMA reduce-adds in arrival order).
+- backward (kernels/attn_bwd_hopper.py): D = 64 or 128 (80 and 96 behind their switch), Sq and Sk >= 128 (ragged
+  lengths masked), deterministic=False only (dQ is summed by TMA reduce-adds in arrival order).
 Its saved state is the Triton kernels' (out, lse in log2 units), so it pairs with `triton` either way.
 Strided or misaligned tensors, and a variant that fails to compile on this toolchain, are served by the
 Triton kernels instead and counted (kernels/attn_*_hopper.fallbacks).  FLASHPORT_HOPPER_FWD=0 /
@@ -23,7 +23,7 @@ from ..kernels import versions
 from .triton import TritonBackend, _interpreting
 
 FWD_HEAD_DIMS = (64, 80, 96, 128, 256)   # 80, 96: two column parts (attn_fwd_hopper.TILES), behind their switch
-BWD_HEAD_DIMS = (64, 128)
+BWD_HEAD_DIMS = (64, 80, 96, 128)   # 80, 96: two column parts (attn_bwd_hopper.SPLIT), behind their switch
 
 
 class GluonBackend(TritonBackend):
@@ -39,7 +39,7 @@ class GluonBackend(TritonBackend):
                                "where FLASHPORT_HOPPER_FWD_SPLIT=1",
                                f"backward: head dims {', '.join(map(str, BWD_HEAD_DIMS))}, Sq and Sk >= 128; "
                                "windows (Sq == Sk) where FLASHPORT_HOPPER_BWD_WINDOW=1; ALiBi where "
-                               "FLASHPORT_HOPPER_BWD_ALIBI=1",
+                               "FLASHPORT_HOPPER_BWD_ALIBI=1; D = 80 / 96 where FLASHPORT_HOPPER_BWD_SPLIT=1",
                                "static preference (no table): forward from attn_fwd_hopper.MIN_KEYS keys"))
 
     def availability(self) -> list[str]:

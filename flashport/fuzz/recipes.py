@@ -154,16 +154,17 @@ def _hopper_recipes(rng: random.Random, prof: Profile, dtypes) -> list:
     if not sixteen:
         return []
     out = []
-    # (regime, head dim, mask): each Gluon kernel at its head dims, with and without the causal mask; the forward's
-    # two-part head dims (80, 96) and both kernels' windows (Sq == Sk), which run on the Gluon kernels where
-    # FLASHPORT_HOPPER_FWD_SPLIT / FLASHPORT_HOPPER_{FWD,BWD}_WINDOW are on and on the Triton ones otherwise
+    # (regime, head dim, mask): each Gluon kernel at its head dims, with and without the causal mask; both kernels'
+    # two-part head dims (80, 96) and windows (Sq == Sk), which run on the Gluon kernels where
+    # FLASHPORT_HOPPER_{FWD,BWD}_SPLIT / FLASHPORT_HOPPER_{FWD,BWD}_WINDOW are on and on the Triton ones otherwise
     plan = (("gluon_fwd", 128, "none"), ("gluon_fwd", 128, "causal"), ("gluon_fwd", 256, "none"),
             ("gluon_fwd", 256, "causal"), ("gluon_bwd", 64, "none"), ("gluon_bwd", 64, "causal"),
             ("gluon_bwd", 128, "none"), ("gluon_bwd", 128, "causal"),
             ("gate", 128, rng.choice(("none", "causal"))), ("gate", 64, rng.choice(("none", "causal"))),
             ("gluon_fwd", 96, rng.choice(("none", "causal"))), ("gluon_fwd", 80, rng.choice(("none", "causal"))),
             ("gluon_fwd", rng.choice((96, 128, 256)), rng.choice(("left", "both"))),
-            ("gluon_bwd", rng.choice((64, 128)), rng.choice(("left", "right", "both"))))
+            ("gluon_bwd", rng.choice((64, 128)), rng.choice(("left", "right", "both"))),
+            ("gluon_bwd", rng.choice((80, 96)), rng.choice(("none", "causal"))))
     dts = _spread(rng, sixteen, len(plan))
     for i, (regime, d, mask) in enumerate(plan):
         hq, hkv = _heads_for(rng, prof, rng.choice(prof.ratios), False)

@@ -87,9 +87,15 @@ class Tiles(NamedTuple):
 # Variants: the ring's depth and the number of dQ_j buffers.  The schedule (dQ by the producer's TMA reduce-adds,
 # lse2 / Delta staged by it) is the one that won the probe's D=128 runs (PERFLOG rows 19-22); DEFAULT is the
 # fastest variant per head dim (rows 22 and 25).
-VARIANTS = {"s2_tma_lse": Tiles(2, 1), "s2_tma2_lse": Tiles(2, 2),
-            "s3_tma2_lse": Tiles(3, 2, (64,))}   # D=128: 258 KiB of shared memory
-DEFAULT = {128: "s2_tma2_lse", 64: "s2_tma_lse"}   # per head dim (the served ones)
+VARIANTS = {"s2_tma_lse": Tiles(2, 1), "s2_tma2_lse": Tiles(2, 2, (64, 80, 96, 128)),
+            "s3_tma2_lse": Tiles(3, 2, (64, 80))}   # D=128: 258 KiB of shared memory
+DEFAULT = {128: "s2_tma2_lse", 64: "s2_tma_lse", 80: "s2_tma2_lse", 96: "s2_tma2_lse"}   # per head dim
+# Head dims that are not a power of two (ViT / DiT heads) run as two column parts, 64 + SPLIT[D], each a power of
+# two as Gluon's tensors must be (the forward's Tiles.split): S^T and dP^T sum the parts' products (chained wgmma),
+# dK and dV keep an accumulator per part, and warpgroup 0 computes dQ_j's first part, warpgroup 1 its second.
+# Shared memory at D=96: K, V 48 KiB + 2 stages of Q, dO 48 + dS 32 + 2 dQ buffers 48 = 176 KiB.  Behind
+# FLASHPORT_HOPPER_BWD_SPLIT=1 until a GPU run checks them (PERFLOG row 86).
+SPLIT = {80: 16, 96: 32}
 
 
 def enabled() -> bool:
@@ -115,7 +121,10 @@ fallbacks: Counter = Counter()   # gluon backend -> Triton kernels, by reason (s
 def spec_reasons(spec) -> list[str]:
     """Why this kernel cannot serve the backward's call description (empty: it can; the tensors aside)."""
     if spec.head_dim not in DEFAULT or spec.head_dim_v != spec.head_dim:
-        return [f"head dim {' / '.join(map(str, DEFAULT))} only (q/k and v alike)"]
+        return [f"head dim {' / '.join(map(str, sorted(DEFAULT)))} only (q/k and v alike)"]
+    if spec.head_dim in SPLIT and not env.flag("FLASHPORT_HOPPER_BWD_SPLIT"):
+        return [f"head dim {spec.head_dim} runs as two column parts, behind FLASHPORT_HOPPER_BWD_SPLIT=1 until a GPU "
+                "run checks it"]
     if spec.kind != "dense" or spec.device.type != "cuda":
         return ["dense CUDA tensors only"]
     if spec.deterministic:
@@ -181,7 +190,8 @@ if gluon is not None:
         return n
 
     @gluon.jit
-    def _drain_dq(t, dq_smem, dq_bars, dq_desc, h, q_row0, DQ_BUFS: gl.constexpr):
+    def _drain_dq(t, dq_smem, dq1_smem, dq_bars, dq_desc, dq1_desc, h, q_row0, HEAD_DIM: gl.constexpr,
+                  DQ_BUFS: gl.constexpr, SPLIT: gl.constexpr):
         """dq_accum[Q tile t of this program] += dQ_t from buffer u = t % DQ_BUFS (both warpgroups' halves,
         one TMA reduce-add each), then the buffer is free.
 
@@ -195,8 +205,8 @@ if gluon is not None:
         halves wait for it), which needs this wait; dq_empty[u] cannot complete fill n before both halves of
         fill n were stored, which is after the consumers' wait for fill n - 1.  Every tile is drained exactly
         once (the producer loop drains t = i - STAGES, its epilogue the last min(STAGES, n) tiles), so the
-        producer never exits with a store unread and the consumers never wait for a drain that does not come."""
-        HEAD_DIM: gl.constexpr = 2 * dq_smem.shape[2]
+        producer never exits with a store unread and the consumers never wait for a drain that does not come.
+        SPLIT: warpgroup 0's part of buffer u is dq_smem[u] (columns [0, D0)), warpgroup 1's dq1_smem[u] (the rest)."""
         u = t % DQ_BUFS
         mbarrier.wait(dq_bars.index(u), (t // DQ_BUFS) & 1)
         # dq_smem [2 DQ_BUFS, 64, D / 2]: warpgroup WG's half of buffer u (index 2 u + WG) goes to columns
@@ -204,30 +214,54 @@ if gluon is not None:
         # returns once the copy engine has read both halves (not once the adds landed: only the kernel's end
         # orders those, and nothing reads dq_accum before it).
         row = q_row0 + t * _BLOCK_M
-        _tma_reduce_add(dq_desc, [row, h * HEAD_DIM], dq_smem.index(2 * u))
-        _tma_reduce_add(dq_desc, [row, h * HEAD_DIM + HEAD_DIM // 2], dq_smem.index(2 * u + 1))
+        if SPLIT:
+            _tma_reduce_add(dq_desc, [row, h * HEAD_DIM], dq_smem.index(u))
+            _tma_reduce_add(dq1_desc, [row, h * HEAD_DIM + dq_smem.shape[2]], dq1_smem.index(u))
+        else:
+            _tma_reduce_add(dq_desc, [row, h * HEAD_DIM], dq_smem.index(2 * u))
+            _tma_reduce_add(dq_desc, [row, h * HEAD_DIM + HEAD_DIM // 2], dq_smem.index(2 * u + 1))
         tma.store_wait(0)
         mbarrier.arrive(dq_bars.index(DQ_BUFS + u), count=1)   # (after a barrier of this partition)
 
     @gluon.jit
-    def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready, do_ready,
-                  qdo_empty, dq_smem, dq_bars, dq_desc, stat_smem, lse_ptr, delta_ptr, sm_scale, seqlen_q, seqlen_k,
-                  group, win_left, win_right, HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                  DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr):
+    def _load(desc, desc1, bar, buf, buf1, row, col, D0: gl.constexpr, SPLIT: gl.constexpr):
+        """TMA: the tile at (row, col) into buf, and with SPLIT its columns from D0 on through desc1 into buf1; one
+        arrival on bar expects every byte."""
+        if SPLIT:
+            mbarrier.expect(bar, desc.block_type.nbytes + desc1.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc, [row, col], bar, buf)
+            tma.async_copy_global_to_shared(desc1, [row, col + D0], bar, buf1)
+        else:
+            mbarrier.expect(bar, desc.block_type.nbytes)
+            tma.async_copy_global_to_shared(desc, [row, col], bar, buf)
+
+    @gluon.jit
+    def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, q1_desc, k1_desc, v1_desc,
+                  do1_desc, k1_smem, v1_smem, q1_smem, do1_smem, kv_ready, q_ready, do_ready, qdo_empty, dq_smem,
+                  dq1_smem, dq_bars, dq_desc, dq1_desc, stat_smem, lse_ptr, delta_ptr, sm_scale, seqlen_q, seqlen_k,
+                  group, win_left, win_right, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                  WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, SPLIT: gl.constexpr):
         """TMA issue: K and V once, then Q_j / dO_j into stage i % STAGES once both consumers freed it, with
         Q_j's lse2 and Delta rows into stat_smem (plain loads and stores: 512 bytes per tile).  Also dQ_j's
         reduce-adds (_drain_dq), for tile i - STAGES right after issuing tile i: the qdo_empty wait just
         passed says the consumers are done with tile i - STAGES, so its dQ is (about to be) in dq_smem, and the
-        next loads are issued without waiting for the drain of the previous tile."""
+        next loads are issued without waiting for the drain of the previous tile.  SPLIT: every tile in two column
+        parts (k_smem / k1_smem ...: head columns [0, D0) and [D0, HEAD_DIM)), both on the tile's barrier."""
         STAGES: gl.constexpr = q_smem.shape[0]
-        HEAD_DIM: gl.constexpr = q_smem.shape[2]
+        D0: gl.constexpr = q_smem.shape[2]
         pid_bh = gl.program_id(1)
         b = pid_bh // HEADS_Q
         h = pid_bh % HEADS_Q
-        mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)   # one arrival: both copies on one barrier
         kv_row = b * seqlen_k + gl.program_id(0) * _BLOCK_N
-        tma.async_copy_global_to_shared(k_desc, [kv_row, (h // group) * HEAD_DIM], kv_ready, k_smem)
-        tma.async_copy_global_to_shared(v_desc, [kv_row, (h // group) * HEAD_DIM], kv_ready, v_smem)
+        kv_col = (h // group) * HEAD_DIM
+        if SPLIT:   # one arrival: every copy on one barrier
+            mbarrier.expect(kv_ready, 2 * (k_desc.block_type.nbytes + k1_desc.block_type.nbytes))
+            tma.async_copy_global_to_shared(k1_desc, [kv_row, kv_col + D0], kv_ready, k1_smem)
+            tma.async_copy_global_to_shared(v1_desc, [kv_row, kv_col + D0], kv_ready, v1_smem)
+        else:
+            mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
+        tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_ready, k_smem)
+        tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready, v_smem)
         j0, n_iter = _q_tiles(seqlen_q, win_left, win_right, CAUSAL, WINDOW, RAGGED)
         q_row = b * seqlen_q + j0 * _BLOCK_M
         stats_row = pid_bh.to(gl.int64) * _stats_len(seqlen_q, RAGGED)
@@ -236,12 +270,10 @@ if gluon is not None:
             s = i % STAGES
             # First lap: a fresh barrier's parity 1 counts as completed, so the ring starts empty.
             mbarrier.wait(qdo_empty.index(s), ((i // STAGES) & 1) ^ 1)
-            mbarrier.expect(q_ready.index(s), q_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(q_desc, [q_row + i * _BLOCK_M, h * HEAD_DIM], q_ready.index(s),
-                                            q_smem.index(s))
-            mbarrier.expect(do_ready.index(s), do_desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(do_desc, [q_row + i * _BLOCK_M, h * HEAD_DIM], do_ready.index(s),
-                                            do_smem.index(s))
+            _load(q_desc, q1_desc, q_ready.index(s), q_smem.index(s), q1_smem.index(s), q_row + i * _BLOCK_M,
+                  h * HEAD_DIM, D0, SPLIT)
+            _load(do_desc, do1_desc, do_ready.index(s), do_smem.index(s), do1_smem.index(s), q_row + i * _BLOCK_M,
+                  h * HEAD_DIM, D0, SPLIT)
             # lse2 / Delta after both copies are issued, so that these loads' latency delays neither
             rows = (j0 + i) * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
             stat_smem.index(s).store(gl.load(lse_ptr + stats_row + rows))
@@ -250,29 +282,35 @@ if gluon is not None:
             stat_smem.index(STAGES + s).store(delta)
             mbarrier.arrive(q_ready.index(s), count=1)   # q_ready's second arrival (after a partition barrier)
             if i >= STAGES:
-                _drain_dq(i - STAGES, dq_smem, dq_bars, dq_desc, h, q_row, DQ_BUFS)
+                _drain_dq(i - STAGES, dq_smem, dq1_smem, dq_bars, dq_desc, dq1_desc, h, q_row, HEAD_DIM, DQ_BUFS,
+                          SPLIT)
         for t in range(gl.maximum(n_iter - STAGES, 0), n_iter):   # the last min(STAGES, n_iter), in order
-            _drain_dq(t, dq_smem, dq_bars, dq_desc, h, q_row, DQ_BUFS)
+            _drain_dq(t, dq_smem, dq1_smem, dq_bars, dq_desc, dq1_desc, h, q_row, HEAD_DIM, DQ_BUFS, SPLIT)
 
     @gluon.jit
-    def _step(i, j, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready,
-              dq_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale, sm_scale, win_left, win_right, slope2,
-              diag, WG: gl.constexpr, MASK: gl.constexpr, WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr,
-              RAGGED: gl.constexpr, ALIBI: gl.constexpr):
+    def _step(i, j, dk, dv, dk1, dv1, k_wg, v_wg, k1_wg, v1_wg, k_half, q_smem, do_smem, q1_smem, do1_smem, ds_smem,
+              q_ready, do_ready, qdo_empty, ds_ready, dq_smem, dq1_smem, dq_bars, stat_smem, kv_rows, seqlen_k,
+              qk_scale, sm_scale, win_left, win_right, slope2, diag, WG: gl.constexpr, MASK: gl.constexpr,
+              WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr,
+              SPLIT: gl.constexpr):
         """Q tile j (the i-th of this program): dK, dV updated, this warpgroup's half of dQ_j handed to the
-        producer through dq_smem."""
+        producer through dq_smem.  SPLIT: S^T and dP^T sum the two column parts' products, dk1 / dv1 hold the
+        second part of dK / dV, and this warpgroup's part of dQ_j (k_half's columns) goes to dq_smem (WG 0) or
+        dq1_smem (WG 1); without SPLIT dk1 / dv1 come back as they came."""
         dtype: gl.constexpr = q_smem.dtype
         STAGES: gl.constexpr = q_smem.shape[0]
-        HEAD_DIM: gl.constexpr = q_smem.shape[2]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_M, 16])
+        DQ_COLS: gl.constexpr = k_half.shape[1]   # this warpgroup's part of dQ_j
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                            instr_shape=[16, HEAD_DIM // 2, 16])
+                                                            instr_shape=[16, DQ_COLS, 16])
         p_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk.type.layout, k_width=2)
         col_s: gl.constexpr = gl.SliceLayout(0, s_layout)
         s = i % STAGES
         q_s = q_smem.index(s)
         do_s = do_smem.index(s)
+        q1_s = q1_smem.index(s)
+        do1_s = do1_smem.index(s)
         cols = j * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=col_s)    # query rows = columns of S^T
         zero = gl.zeros([_WG_N, _BLOCK_M], gl.float32, s_layout)
 
@@ -281,9 +319,15 @@ if gluon is not None:
         # before the matmuls are issued: their operand reads would queue up ahead of it in shared memory.
         lse2 = stat_smem.index(s).load(col_s)
         s_tok = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
+        if SPLIT:
+            s_tok = warpgroup_mma(k1_wg, q1_s.permute((1, 0)), s_tok, is_async=True)
         mbarrier.wait(do_ready.index(s), (i // STAGES) & 1)
         dp_tok = warpgroup_mma(v_wg, do_s.permute((1, 0)), zero, use_acc=False, is_async=True)
-        s_t = warpgroup_mma_wait(1, deps=[s_tok])                 # dP^T keeps running
+        if SPLIT:
+            dp_tok = warpgroup_mma(v1_wg, do1_s.permute((1, 0)), dp_tok, is_async=True)
+            s_t = warpgroup_mma_wait(2, deps=[s_tok])             # both parts of dP^T keep running
+        else:
+            s_t = warpgroup_mma_wait(1, deps=[s_tok])             # dP^T keeps running
         # Causal diagonal (MASK): key kv visible to query row q iff kv <= q, masked at run time on the
         # program's first two Q tiles (one loop body: fewer registers for ptxas than a peeled loop).
         if MASK:
@@ -309,8 +353,14 @@ if gluon is not None:
         else:
             p_t = gl.exp2(s_t * qk_scale - lse2[None, :]).to(dtype)
         dv_tok = warpgroup_mma(gl.convert_layout(p_t, p_layout), do_s, dv, is_async=True)
+        if SPLIT:
+            p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv1.type.layout, k_width=2)
+            dv1_tok = warpgroup_mma(gl.convert_layout(p_t, p1_layout), do1_s, dv1, is_async=True)
         delta = stat_smem.index(STAGES + s).load(col_s)          # already times softmax_scale
-        dp_t = warpgroup_mma_wait(1, deps=[dp_tok])               # dV keeps running
+        if SPLIT:
+            dp_t = warpgroup_mma_wait(2, deps=[dp_tok])           # both parts of dV keep running
+        else:
+            dp_t = warpgroup_mma_wait(1, deps=[dp_tok])           # dV keeps running
         # dS from the rounded P that dV used (as torch's low-precision math): P fp32 would hold 16 more
         # registers per thread across the dP wait, where this warpgroup peaks at 240.
         ds_t = (p_t.to(gl.float32) * (dp_t * sm_scale - delta[None, :])).to(dtype)
@@ -324,31 +374,45 @@ if gluon is not None:
         fence_async_shared()                                      # generic-proxy stores -> wgmma reads
         mbarrier.arrive(ds_ready.index(slot), count=1)            # (after a barrier of this warpgroup)
         dk_tok = warpgroup_mma(ds_wg, q_s, dk, is_async=True)
-        dv = warpgroup_mma_wait(1, deps=[dv_tok])                 # frees P^T's registers; dK keeps running
+        if SPLIT:
+            dk1_tok = warpgroup_mma(ds_wg, q1_s, dk1, is_async=True)
+            dv, dv1 = warpgroup_mma_wait(2, deps=[dv_tok, dv1_tok])   # frees P^T's registers; dK keeps running
+        else:
+            dv = warpgroup_mma_wait(1, deps=[dv_tok])             # frees P^T's registers; dK keeps running
         mbarrier.wait(ds_ready.index(slot), (i // 2) & 1)
-        dq_zero = gl.zeros([_BLOCK_M, HEAD_DIM // 2], gl.float32, dq_layout)
+        dq_zero = gl.zeros([_BLOCK_M, DQ_COLS], gl.float32, dq_layout)
         dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
-        dk, dq = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok])
+        if SPLIT:
+            dk, dk1, dq = warpgroup_mma_wait(0, deps=[dk_tok, dk1_tok, dq_tok])
+        else:
+            dk, dq = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok])
         mbarrier.arrive(qdo_empty.index(s), count=1)              # Q_j, dO_j no longer read by this warpgroup
 
         # This warpgroup's half of dQ_j into dq_smem buffer u (the protocol: _drain_dq's docstring).
         u = i % DQ_BUFS
         mbarrier.wait(dq_bars.index(DQ_BUFS + u), ((i // DQ_BUFS) & 1) ^ 1)   # buffer u's previous tile drained
-        dq_smem.index(2 * u + WG).store(dq)
+        if SPLIT:
+            if WG == 0:
+                dq_smem.index(u).store(dq)
+            else:
+                dq1_smem.index(u).store(dq)
+        else:
+            dq_smem.index(2 * u + WG).store(dq)
         fence_async_shared()                                      # generic-proxy stores -> the TMA's reads
         mbarrier.arrive(dq_bars.index(u), count=1)                # (after a barrier of this warpgroup)
-        return dk, dv
+        return dk, dv, dk1, dv1
 
     @gluon.jit
-    def _consumer(k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
-                  dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale, win_left,
-                  win_right, slopes_ptr, slope_stride, WG: gl.constexpr, HEADS_Q: gl.constexpr,
-                  CAUSAL: gl.constexpr, WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr,
-                  ALIBI: gl.constexpr):
-        """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, D]."""
-        HEAD_DIM: gl.constexpr = q_smem.shape[2]
+    def _consumer(k_smem, v_smem, q_smem, do_smem, k1_smem, v1_smem, q1_smem, do1_smem, ds_smem, kv_ready, q_ready,
+                  do_ready, qdo_empty, ds_ready, dq_smem, dq1_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q,
+                  seqlen_k, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride, WG: gl.constexpr,
+                  HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                  DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr, SPLIT: gl.constexpr):
+        """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, D] (SPLIT: dk, dv
+        the columns [0, D0), dk1, dv1 the rest)."""
+        D0: gl.constexpr = q_smem.shape[2]
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                             instr_shape=[16, HEAD_DIM, 16])
+                                                             instr_shape=[16, D0, 16])
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                            instr_shape=[16, _BLOCK_M, 16])
         pid_n = gl.program_id(0)
@@ -359,9 +423,23 @@ if gluon is not None:
         kv_rows = kv0 + gl.arange(0, _WG_N, layout=gl.SliceLayout(1, s_layout))
         k_wg = k_smem.slice(WG * _WG_N, _WG_N)
         v_wg = v_smem.slice(WG * _WG_N, _WG_N)
-        k_half = k_smem.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
-        dk = gl.zeros([_WG_N, HEAD_DIM], gl.float32, acc_layout)
-        dv = gl.zeros([_WG_N, HEAD_DIM], gl.float32, acc_layout)
+        dk = gl.zeros([_WG_N, D0], gl.float32, acc_layout)
+        dv = gl.zeros([_WG_N, D0], gl.float32, acc_layout)
+        if SPLIT:
+            D1: gl.constexpr = q1_smem.shape[2]
+            acc1_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
+                                                                  instr_shape=[16, D1, 16])
+            k1_wg = k1_smem.slice(WG * _WG_N, _WG_N)
+            v1_wg = v1_smem.slice(WG * _WG_N, _WG_N)
+            dk1 = gl.zeros([_WG_N, D1], gl.float32, acc1_layout)
+            dv1 = gl.zeros([_WG_N, D1], gl.float32, acc1_layout)
+            if WG == 0:   # dQ_j's part: warpgroup 0 the first column part, warpgroup 1 the second
+                k_half = k_smem
+            else:
+                k_half = k1_smem
+        else:
+            k1_wg, v1_wg, dk1, dv1 = k_wg, v_wg, dk, dv   # not used: the loop hands dk1, dv1 back as they came
+            k_half = k_smem.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
         j0, n_iter = _q_tiles(seqlen_q, win_left, win_right, CAUSAL, WINDOW, RAGGED)
         diag = seqlen_k - seqlen_q   # bottom-right alignment: query row r's diagonal key is r + diag
         slope2 = 0.0
@@ -369,9 +447,10 @@ if gluon is not None:
             slope2 = gl.load(slopes_ptr + b * slope_stride + h) * _LOG2E
         mbarrier.wait(kv_ready, 0)
         for i in range(n_iter):
-            dk, dv = _step(i, j0 + i, dk, dv, k_wg, v_wg, k_half, q_smem, do_smem, ds_smem, q_ready, do_ready,
-                           qdo_empty, ds_ready, dq_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale,
-                           sm_scale, win_left, win_right, slope2, diag, WG, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI)
+            dk, dv, dk1, dv1 = _step(i, j0 + i, dk, dv, dk1, dv1, k_wg, v_wg, k1_wg, v1_wg, k_half, q_smem, do_smem,
+                                     q1_smem, do1_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_smem,
+                                     dq1_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale, sm_scale, win_left,
+                                     win_right, slope2, diag, WG, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT)
 
         # Epilogue: dK, dV rows of query head h into [B, Sk, Hq, D]: dk / dv themselves without GQA, else
         # float32 partials.  Hq is a compile-time constant: with constant row strides the per-thread offsets
@@ -379,8 +458,16 @@ if gluon is not None:
         # int64 scalar for the tile.
         row_stride: gl.constexpr = HEADS_Q * HEAD_DIM
         tile = (b.to(gl.int64) * seqlen_k + kv0) * row_stride + h * HEAD_DIM
-        rows = gl.arange(0, _WG_N, layout=gl.SliceLayout(1, acc_layout))
-        dcols = gl.arange(0, HEAD_DIM, layout=gl.SliceLayout(0, acc_layout))
+        _store_rows(dk_ptr, dv_ptr, dk, dv, tile, row_stride, kv0, seqlen_k, RAGGED)
+        if SPLIT:
+            _store_rows(dk_ptr, dv_ptr, dk1, dv1, tile + D0, row_stride, kv0, seqlen_k, RAGGED)
+
+    @gluon.jit
+    def _store_rows(dk_ptr, dv_ptr, dk, dv, tile, row_stride: gl.constexpr, kv0, seqlen_k, RAGGED: gl.constexpr):
+        """dk, dv [64, C] into the 64 rows from `tile` (C columns each, rows row_stride apart)."""
+        layout: gl.constexpr = dk.type.layout
+        rows = gl.arange(0, _WG_N, layout=gl.SliceLayout(1, layout))
+        dcols = gl.arange(0, dk.shape[1], layout=gl.SliceLayout(0, layout))
         offs = rows[:, None] * row_stride + dcols[None, :]
         if RAGGED:   # rows past Sk belong to the next batch entry (or past the tensor): not written
             keep = (kv0 + rows)[:, None] < seqlen_k
@@ -390,21 +477,30 @@ if gluon is not None:
             gl.store(dk_ptr + tile + offs, dk.to(dk_ptr.dtype.element_ty))
             gl.store(dv_ptr + tile + offs, dv.to(dv_ptr.dtype.element_ty))
 
-    # The window bounds are compared, never indexed with: no specialisation (1 and multiples of 16 would each be a
-    # compile of their own).
-    @gluon.jit(do_not_specialize=["win_left", "win_right"])
-    def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
-                         seqlen_k, group, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride,
-                         HEADS_Q: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
-                         DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr):
-        """q_desc / do_desc: [BLOCK_M, D] blocks; k_desc / v_desc: [BLOCK_N, D]; dq_desc: [BLOCK_M, D / 2]
-        float32 (one warpgroup's half of dQ_j)."""
+    @gluon.jit
+    def _bwd_body(q_desc, k_desc, v_desc, do_desc, dq_desc, q1_desc, k1_desc, v1_desc, do1_desc, dq1_desc, lse_ptr,
+                  delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, group, qk_scale, sm_scale, win_left, win_right,
+                  slopes_ptr, slope_stride, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
+                  WINDOW: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr,
+                  ALIBI: gl.constexpr, SPLIT: gl.constexpr):
+        """q_desc / do_desc: [BLOCK_M, D0] blocks; k_desc / v_desc: [BLOCK_N, D0]; dq_desc: float32 [BLOCK_M, D / 2]
+        (one warpgroup's half of dQ_j), with D0 = HEAD_DIM unless SPLIT: then the *1_desc blocks hold the head's
+        other HEAD_DIM - D0 columns, and dq_desc / dq1_desc the two parts of dQ_j (without SPLIT they repeat the
+        first descriptors, unused)."""
         dtype: gl.constexpr = q_desc.dtype
-        HEAD_DIM: gl.constexpr = q_desc.block_type.shape[1]
-        k_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, HEAD_DIM], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, HEAD_DIM], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, HEAD_DIM], do_desc.layout)
+        D0: gl.constexpr = q_desc.block_type.shape[1]
+        k_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, D0], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, D0], v_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, D0], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, D0], do_desc.layout)
+        if SPLIT:
+            D1: gl.constexpr = q1_desc.block_type.shape[1]
+            k1_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, D1], k1_desc.layout)
+            v1_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, D1], v1_desc.layout)
+            q1_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, D1], q1_desc.layout)
+            do1_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, D1], do1_desc.layout)
+        else:
+            k1_smem, v1_smem, q1_smem, do1_smem = k_smem, v_smem, q_smem, do_smem   # unused
         ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, _BLOCK_M], dtype)
         ds_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_N, _BLOCK_M], ds_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
@@ -419,8 +515,14 @@ if gluon is not None:
             mbarrier.init(qdo_empty.index(i), count=2)   # one arrive per consumer warpgroup
         for i in gl.static_range(2):
             mbarrier.init(ds_ready.index(i), count=2)    # both halves of dS^T written
-        # dQ_j [64, D] float32 as two [64, D / 2] halves in TMA's layout (the dq_accum descriptor's), per buffer
-        dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS, _BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+        # dQ_j [64, D] float32 as two [64, D / 2] halves in TMA's layout (the dq_accum descriptor's), per buffer;
+        # SPLIT: its [64, D0] and [64, D1] parts, one buffer set each
+        if SPLIT:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, _BLOCK_M, D0], dq_desc.layout)
+            dq1_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, _BLOCK_M, D1], dq1_desc.layout)
+        else:
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS, _BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+            dq1_smem = dq_smem   # unused
         # lse2 rows of stage s at index s, Delta * softmax_scale rows at STAGES + s (a rank-1 layout: the
         # leading dimension only indexes the rows)
         stat_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, _BLOCK_M],
@@ -431,20 +533,45 @@ if gluon is not None:
             mbarrier.init(dq_bars.index(DQ_BUFS + u), count=1)   # dq_empty[u]: the producer drained buffer u
         # Argument tuples are written inline: bound to a local first, their constexprs turn into tensors.
         gl.warp_specialize([
-            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, kv_ready, q_ready,
-                         do_ready, qdo_empty, dq_smem, dq_bars, dq_desc, stat_smem, lse_ptr, delta_ptr, sm_scale,
-                         seqlen_q, seqlen_k, group, win_left, win_right, HEADS_Q, CAUSAL, WINDOW, DQ_BUFS, RAGGED)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
-                         dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
-                         win_left, win_right, slopes_ptr, slope_stride, 0, HEADS_Q, CAUSAL, WINDOW, DQ_BUFS, RAGGED,
-                         ALIBI)),
-            (_consumer, (k_smem, v_smem, q_smem, do_smem, ds_smem, kv_ready, q_ready, do_ready, qdo_empty, ds_ready,
-                         dq_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q, seqlen_k, qk_scale, sm_scale,
-                         win_left, win_right, slopes_ptr, slope_stride, 1, HEADS_Q, CAUSAL, WINDOW, DQ_BUFS, RAGGED,
-                         ALIBI)),
+            (_producer, (q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, q1_desc, k1_desc, v1_desc,
+                         do1_desc, k1_smem, v1_smem, q1_smem, do1_smem, kv_ready, q_ready, do_ready, qdo_empty,
+                         dq_smem, dq1_smem, dq_bars, dq_desc, dq1_desc, stat_smem, lse_ptr, delta_ptr, sm_scale,
+                         seqlen_q, seqlen_k, group, win_left, win_right, HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, DQ_BUFS,
+                         RAGGED, SPLIT)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, k1_smem, v1_smem, q1_smem, do1_smem, ds_smem, kv_ready,
+                         q_ready, do_ready, qdo_empty, ds_ready, dq_smem, dq1_smem, dq_bars, stat_smem, dk_ptr, dv_ptr,
+                         seqlen_q, seqlen_k, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride, 0,
+                         HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT)),
+            (_consumer, (k_smem, v_smem, q_smem, do_smem, k1_smem, v1_smem, q1_smem, do1_smem, ds_smem, kv_ready,
+                         q_ready, do_ready, qdo_empty, ds_ready, dq_smem, dq1_smem, dq_bars, stat_smem, dk_ptr, dv_ptr,
+                         seqlen_q, seqlen_k, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride, 1,
+                         HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT)),
         ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
 
+    # Two entry points over one body: without SPLIT the launch carries five descriptors, not ten (Triton's launcher
+    # encodes every descriptor on every call).  The window bounds are compared, never indexed with: no
+    # specialisation (1 and multiples of 16 would each be a compile of their own).
+    @gluon.jit(do_not_specialize=["win_left", "win_right"])
+    def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
+                         seqlen_k, group, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride,
+                         HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                         STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr):
+        _bwd_body(q_desc, k_desc, v_desc, do_desc, dq_desc, q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr,
+                  delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, group, qk_scale, sm_scale, win_left, win_right,
+                  slopes_ptr, slope_stride, HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, STAGES, DQ_BUFS, RAGGED, ALIBI, False)
+
+    @gluon.jit(do_not_specialize=["win_left", "win_right"])
+    def _attn_bwd_hopper_split(q_desc, k_desc, v_desc, do_desc, dq_desc, q1_desc, k1_desc, v1_desc, do1_desc,
+                               dq1_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, group, qk_scale,
+                               sm_scale, win_left, win_right, slopes_ptr, slope_stride, HEADS_Q: gl.constexpr,
+                               HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
+                               STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr):
+        _bwd_body(q_desc, k_desc, v_desc, do_desc, dq_desc, q1_desc, k1_desc, v1_desc, do1_desc, dq1_desc, lse_ptr,
+                  delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, group, qk_scale, sm_scale, win_left, win_right,
+                  slopes_ptr, slope_stride, HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, STAGES, DQ_BUFS, RAGGED, ALIBI, True)
+
     _launch = DirectLauncher(_attn_bwd_hopper)
+    _launch_split = DirectLauncher(_attn_bwd_hopper_split)
 
 
 # Compiled (tiles, heads, GQA, dtype, head dim, causal, device) and the (dtype, head dim, causal, device) whose
@@ -489,27 +616,32 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
         dk_out = dk if dk is not None else torch.empty_like(k)
         dv_out = dv if dv is not None else torch.empty_like(v)
     grid = (padded(sk) // BLOCK_N, b * hq)
-    # dq_accum's descriptor: [64, D / 2] float32 boxes (one warpgroup's half of dQ_j), for the reduce-adds.
-    args = (_descriptor(q, BLOCK_M), _descriptor(k, BLOCK_N), _descriptor(v, BLOCK_N), _descriptor(do, BLOCK_M),
-            _descriptor(dq_accum, BLOCK_M, d // 2), lse2, delta, dk_out, dv_out, sq, sk, group,
+    # dq_accum's descriptor: [64, D / 2] float32 boxes (one warpgroup's half of dQ_j), for the reduce-adds; a split
+    # head dim has one descriptor per column part, for q, k, v, dO and dq_accum alike.
+    split = SPLIT.get(d, 0)
+    parts = [(d - split, d - split), (split, split)] if split else [(d, d // 2)]
+    descs = [(_descriptor(q, BLOCK_M, c), _descriptor(k, BLOCK_N, c), _descriptor(v, BLOCK_N, c),
+              _descriptor(do, BLOCK_M, c), _descriptor(dq_accum, BLOCK_M, dqc)) for c, dqc in parts]
+    args = (*(x for part in descs for x in part), lse2, delta, dk_out, dv_out, sq, sk, group,
             spec.softmax_scale * LOG2E, spec.softmax_scale, *window_bounds(spec), slopes, slope_stride)
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and mask kind.
     kind = spec.visibility.kind
-    meta = dict(HEADS_Q=hq, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
+    meta = dict(HEADS_Q=hq, HEAD_DIM=d, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
                 DQ_BUFS=tiles.dq_bufs, RAGGED=ragged, ALIBI=has_alibi, num_warps=4)
+    launch = _launch_split if split else _launch
     if warmup:
-        return _launch.compile(grid, args, meta)
+        return launch.compile(grid, args, meta)
     key = variant_key(spec)
     if (tiles, hq, group > 1, ragged, *key) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
-            _launch.compile(grid, args, meta)
+            launch.compile(grid, args, meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernels"
             broken[key] = f"{type(e).__name__}: {e}"[:300]
             warnings.warn(f"flashport: the Hopper backward failed to compile for {key} and is switched off "
                           f"for it; the Triton kernels serve instead ({broken[key]})", RuntimeWarning, stacklevel=3)
             return None
         _compiled.add((tiles, hq, group > 1, ragged, *key))
-    _launch(grid, args, meta)
+    launch(grid, args, meta)
     # dQ already carries softmax_scale (folded into dS): the epilogue is a cast.
     dq = dq.copy_(dq_accum) if dq is not None else dq_accum.to(q.dtype)
     if group > 1:  # [B, Sk, Hq, D] -> [B, Sk, Hkv, G, D] summed over G (query head h reads kv head h // G)

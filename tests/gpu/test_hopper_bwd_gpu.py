@@ -112,12 +112,35 @@ def test_alibi_calls_conform(case, fwd_alibi, dtype, served, monkeypatch):
                       case.replace(dtype=dtype), served, monkeypatch)
 
 
+# Head dims 80 and 96 (FLASHPORT_HOPPER_BWD_SPLIT=1) as two column parts: S^T and dP^T chained over the parts, dK /
+# dV an accumulator per part, dQ_j's parts from one warpgroup each (reduce-adds through two descriptors).  Whole
+# and ragged tiles, causal, Sq != Sk, GQA / MQA, with the Gluon forward's split (FLASHPORT_HOPPER_FWD_SPLIT) or the
+# Triton forward; windows and ALiBi through the split.
+SPLIT = [
+    (Case(b=2, sq=256, sk=256, hq=4, hkv=4, d=96), {}),
+    (Case(b=2, sq=512, sk=512, hq=4, hkv=2, d=96, causal=True), {"FLASHPORT_HOPPER_FWD_SPLIT": "1"}),
+    (Case(b=1, sq=384, sk=640, hq=8, hkv=2, d=80), {}),                                   # Sq != Sk, GQA
+    (Case(b=1, sq=1024, sk=1024, hq=4, hkv=1, d=80, causal=True), {"FLASHPORT_HOPPER_FWD_SPLIT": "1"}),   # MQA
+    (Case(b=2, sq=300, sk=300, hq=2, hkv=2, d=96, causal=True), {}),                      # ragged
+    (Case(b=1, sq=1500, sk=1500, hq=4, hkv=4, d=80), {}),                                 # ragged, several tiles
+    (Case(b=1, sq=640, sk=640, hq=2, hkv=2, d=96, window=(100, 37)), {"FLASHPORT_HOPPER_BWD_WINDOW": "1"}),
+    (Case(b=2, sq=256, sk=256, hq=4, hkv=2, d=80, causal=True, alibi="head"), {"FLASHPORT_HOPPER_BWD_ALIBI": "1"}),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case, switches", SPLIT, ids=str)
+def test_split_head_dims_conform(case, switches, dtype, served, monkeypatch):
+    check_served_with({"FLASHPORT_HOPPER_BWD_SPLIT": "1", **switches}, case.replace(dtype=dtype), served, monkeypatch)
+
+
 DECLINED = [
     Case(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, causal=True, deterministic=True),   # unordered dQ sums: never
     Case(b=1, sq=100, sk=256, hq=2, hkv=2, d=128),                   # shorter than one tile
     Case(b=1, sq=256, sk=384, hq=2, hkv=2, d=128, causal=True),      # causal with Sq != Sk
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, noncontig=True),   # strided: no TMA view
-    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=96),
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=96),                    # FLASHPORT_HOPPER_BWD_SPLIT off
+    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=72),
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=64, window=(64, 0)),     # FLASHPORT_HOPPER_BWD_WINDOW off
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, softcap=5.0),
 ]

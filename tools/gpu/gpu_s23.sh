@@ -2,7 +2,7 @@
 # The next session's device calls, on one warm machine; each part returns $OUT/<part>.tgz (rewritten after every
 # step and every 20 s, so a call cut at its limit still brings back what finished):
 #   PART=a (carry .fa4a): FA4 step 1; the Hopper forward's and backward's GPU tiers with the cases of the variants
-#          built without a GPU (PERFLOG rows 78, 79, 81-83: test_window_calls_conform, test_split_head_dims_conform
+#          built without a GPU (PERFLOG rows 78, 79, 81-83, 86: test_window_calls_conform, test_split_head_dims_conform
 #          and test_alibi_calls_conform set their switches)
 #   PART=b (carry .fa4b, within 30 s of a): FA4 step 2; tools/gpu/probe_hopper_variants.py (rows 78-83's timings,
 #          switches off and on, one process); the programmable suite with every peer (builtin-fa4: row 80, FA4's
@@ -18,7 +18,7 @@ SESSION=s23; . "$(dirname "$0")/session.sh"
 case "$PART" in
 a)
   fa4_step1
-  tier hopper_fwd:270 hopper_bwd:270   # ~40 more cases than in the 21st session, each new variant a compile
+  tier hopper_fwd:270 hopper_bwd:300   # ~55 more cases than in the 21st session, each new variant a compile
   ;;
 b)
   fa4_step2
@@ -37,7 +37,7 @@ e) # PERFLOG row 81's floors and ring depth: the two-part head dims against Trit
 c) fa4_env   # the fuzz with the new variants' switches on, so its Gluon regimes reach them (rows 78, 79, 81-83)
    tier contents:40 decode:50 compile:100 operability:100 triton:150
    FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW=1 FLASHPORT_HOPPER_FWD_SPLIT=1 FLASHPORT_HOPPER_FWD_ALIBI=1 \
-       FLASHPORT_HOPPER_BWD_ALIBI=1 tier fuzz:200 ;;
+       FLASHPORT_HOPPER_BWD_ALIBI=1 FLASHPORT_HOPPER_BWD_SPLIT=1 tier fuzz:200 ;;
 d) fa4_env; TRITON_N=${TRITON_N:-40} programmable_tier ${PROG_SECONDS:-500} ;;
 esac
 save; ls -la "$OUT"

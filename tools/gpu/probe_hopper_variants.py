@@ -1,7 +1,7 @@
-"""The Hopper kernels' variants built without a GPU in the 22nd session, each against what serves the call with
-its switch off, one process, bf16: sliding windows (FLASHPORT_HOPPER_FWD_WINDOW, FLASHPORT_HOPPER_BWD_WINDOW;
-PERFLOG rows 78, 79), the forward's two-part head dims 80 and 96 (FLASHPORT_HOPPER_FWD_SPLIT; row 81) and its
-ALiBi in both directions (FLASHPORT_HOPPER_FWD_ALIBI, FLASHPORT_HOPPER_BWD_ALIBI; rows 82, 83).  Per
+"""The Hopper kernels' variants built without a GPU (22nd and 23rd sessions), each against what serves the call
+with its switch off, one process, bf16: sliding windows (FLASHPORT_HOPPER_FWD_WINDOW, FLASHPORT_HOPPER_BWD_WINDOW;
+PERFLOG rows 78, 79), the two-part head dims 80 and 96 (FLASHPORT_HOPPER_FWD_SPLIT, FLASHPORT_HOPPER_BWD_SPLIT;
+rows 81, 86) and ALiBi in both directions (FLASHPORT_HOPPER_FWD_ALIBI, FLASHPORT_HOPPER_BWD_ALIBI; rows 82, 83).  Per
 case and setting: forward and backward milliseconds and TFLOP/s (visible pairs, FlashAttention's 2.5x convention
 for the backward), which kernels served, and the largest difference between each run's output and gradients and
 those of the first setting, relative to their scale.  Cases: issue [14]'s window 2048 over 16k (GQA 16/4),
@@ -21,11 +21,12 @@ from flashport.bench.timing import gpu_ms
 
 WINDOWS = (("triton", {}), ("gluon bwd", {"FLASHPORT_HOPPER_BWD_WINDOW": "1"}),
            ("gluon both", {"FLASHPORT_HOPPER_BWD_WINDOW": "1", "FLASHPORT_HOPPER_FWD_WINDOW": "1"}))
-SPLIT = (("triton", {}), ("gluon fwd", {"FLASHPORT_HOPPER_FWD_SPLIT": "1"}))
+SPLIT = (("triton", {}), ("gluon fwd", {"FLASHPORT_HOPPER_FWD_SPLIT": "1"}),
+         ("gluon both", {"FLASHPORT_HOPPER_FWD_SPLIT": "1", "FLASHPORT_HOPPER_BWD_SPLIT": "1"}))
 ALIBI = (("triton", {}), ("gluon fwd", {"FLASHPORT_HOPPER_FWD_ALIBI": "1"}),
          ("gluon both", {"FLASHPORT_HOPPER_FWD_ALIBI": "1", "FLASHPORT_HOPPER_BWD_ALIBI": "1"}))
 SWITCHES = ("FLASHPORT_HOPPER_FWD_WINDOW", "FLASHPORT_HOPPER_BWD_WINDOW", "FLASHPORT_HOPPER_FWD_SPLIT",
-            "FLASHPORT_HOPPER_FWD_ALIBI", "FLASHPORT_HOPPER_BWD_ALIBI")
+            "FLASHPORT_HOPPER_FWD_ALIBI", "FLASHPORT_HOPPER_BWD_ALIBI", "FLASHPORT_HOPPER_BWD_SPLIT")
 CASES = [   # name, B, S, Hq, Hkv, D, call keywords, settings
     ("window 2048 / 16k, GQA 16/4, D=128", 1, 16384, 16, 4, 128, dict(window_size=(2048, 0)), WINDOWS),
     ("window 4096 / 16k, GQA 32/8, D=128", 1, 16384, 32, 8, 128, dict(window_size=(4096, 0)), WINDOWS),
