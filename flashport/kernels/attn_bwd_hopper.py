@@ -34,7 +34,8 @@ Equivalent PyTorch math (per batch entry and query head, s = softmax_scale, K/V 
     P = exp(s * Q K^T - lse);  dV = P^T dO;  dP = dO V^T;  Delta = rowsum(dO * O) (- dlse)
     dS = P * (dP - Delta);     dQ = s * dS K;  dK = s * dS^T Q
 Inputs: q, do [B, Sq, Hq, D]; k, v [B, Sk, Hkv, D] with D = 64 or 128 (one schedule: the head dim changes
-the matmuls' sizes and the shared memory, not the code); lse2 = lse / ln 2 and Delta [B, Hq, Sq] float32.
+the matmuls' sizes and the shared memory, not the code), or 80 / 96 as two column parts (SPLIT, below);
+lse2 = lse / ln 2 and Delta [B, Hq, Sq] float32.
 
 Ragged lengths (RAGGED; e.g. Whisper's 1500 frames): the last tiles of a batch entry reach past its rows, into
 the next entry's (or, for the last entry, past the tensor, where TMA fills zeros).  Nothing is copied:
@@ -161,8 +162,8 @@ if gluon is not None:
 
     _BLOCK_M, _BLOCK_N, _LOG2E = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N), gl.constexpr(LOG2E)
     _WG_N, _CONSUMER_REGS = gl.constexpr(WG_N), gl.constexpr(CONSUMER_REGS)
-    # The head dim and the ring's depth travel in the shapes (q_smem: [STAGES, BLOCK_M, HEAD_DIM]), so every
-    # partition reads them off its shared-memory descriptors.
+    # The ring's depth and the (first) column part's width D0 travel in the shapes (q_smem: [STAGES, BLOCK_M, D0]),
+    # so every partition reads them off its shared-memory descriptors; the whole head dim is the HEAD_DIM constexpr.
 
     @gluon.jit
     def _q_tiles(seqlen_q, win_left, win_right, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
@@ -209,8 +210,8 @@ if gluon is not None:
         SPLIT: warpgroup 0's part of buffer u is dq_smem[u] (columns [0, D0)), warpgroup 1's dq1_smem[u] (the rest)."""
         u = t % DQ_BUFS
         mbarrier.wait(dq_bars.index(u), (t // DQ_BUFS) & 1)
-        # dq_smem [2 DQ_BUFS, 64, D / 2]: warpgroup WG's half of buffer u (index 2 u + WG) goes to columns
-        # [WG D / 2, (WG + 1) D / 2) of head h.  The consumers fenced their stores for the async proxy; store_wait(0)
+        # Without SPLIT, dq_smem [2 DQ_BUFS, 64, D / 2]: warpgroup WG's half of buffer u (index 2 u + WG) goes to
+        # columns [WG D / 2, (WG + 1) D / 2) of head h.  The consumers fenced their stores for the async proxy; store_wait(0)
         # returns once the copy engine has read both halves (not once the adds landed: only the kernel's end
         # orders those, and nothing reads dq_accum before it).
         row = q_row0 + t * _BLOCK_M
