@@ -47,6 +47,9 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_HOPPER_BWD_SPLIT", "0", "1: the Hopper backward serves head dims 80 and 96 as two power-of-two "
                                               "column parts (no padded dots), which the Triton kernels serve otherwise "
                                               "(off until a GPU run checks and times it: PERFLOG row 86)"),
+    Switch("FLASHPORT_HOPPER_FWD_PIN", "0", "1: the Hopper forward holds its wait for P V after the softmax of the next "
+                                            "key tile (a shared-memory store of the row sums), so the exp2 overlap the "
+                                            "P V matmul (off until a GPU run times it: PERFLOG row 87)"),
     Switch("FLASHPORT_HOPPER_FWD_WINDOW", "0", "1: the Hopper forward serves sliding windows (Sq == Sk; key tiles "
                                                "outside the band skipped), which the Triton kernel serves otherwise "
                                                "(off until a GPU run checks and times it: PERFLOG row 79)"),

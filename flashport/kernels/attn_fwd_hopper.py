@@ -317,7 +317,7 @@ if gluon is not None:
     def _overlap_step(j, p_prev, acc, acc1, alpha, m_i, l_i, q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem, k_ready,
                       v_ready, k_empty, v_empty, s_zero, qk_scale, rows, MASKED: gl.constexpr, EARLY_K: gl.constexpr,
                       kt, edge, win_left, win_right, WINDOW: gl.constexpr, SPLIT: gl.constexpr, slope2, diag,
-                      ALIBI: gl.constexpr):
+                      ALIBI: gl.constexpr, pin, PIN: gl.constexpr):
         """Key tile j of the ring: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together; the softmax of
         S_j runs while the P V matmul is still on the tensor cores.  Returns (acc, acc1, P_j as an operand,
         alpha_j, m, l).  WINDOW: ring tile j is key tile kt, masked where `edge`.  SPLIT: S_j sums the two
@@ -349,6 +349,12 @@ if gluon is not None:
         else:
             p, alpha, m_i, l_i = _softmax_step(s_ij, m_i, l_i, qk_scale, rows, j, MASKED, False, 0, 0, False, slope2,
                                                diag, ALIBI)
+        if PIN:
+            # Holds the wait below after the softmax.  Waiting early is always legal, and ptxas hoists the wait into
+            # the row max's shuffle latency, leaving every exp2 of S_j after it (no overlap with P V).  ptxas keeps
+            # shared-memory accesses and wgmma waits in order, so a store of l_j, which depends on every exp2 of
+            # S_j, keeps them before it.  The buffer is never read.
+            pin.store(l_i)
         if SPLIT:
             acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
         else:
@@ -362,7 +368,8 @@ if gluon is not None:
     def _consumer(q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc,
                   o1_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, win_left, win_right, slopes_ptr,
                   slope_stride, WG: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                  WINDOW: gl.constexpr, EARLY_K: gl.constexpr, SPLIT: gl.constexpr, ALIBI: gl.constexpr):
+                  WINDOW: gl.constexpr, EARLY_K: gl.constexpr, SPLIT: gl.constexpr, ALIBI: gl.constexpr, pin,
+                  PIN: gl.constexpr):
         """Warpgroup WG: rows [WG * BLOCK_M, (WG + 1) * BLOCK_M) of the program's Q tile; acc fp32 (SPLIT: acc
         the output's columns [0, D0), acc1 the rest)."""
         dtype: gl.constexpr = o_desc.dtype
@@ -441,18 +448,18 @@ if gluon is not None:
                     j, p_op, acc, acc1, alpha, m_i, l_i, q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem, k_ready,
                     v_ready, k_empty, v_empty, s_zero, qk_scale, rows, False, EARLY_K, t0 + j,
                     _band_edge(row0, t0 + j, win_left, win_right, BLOCK_N), win_left, win_right, True, SPLIT, slope2,
-                    diag, ALIBI)
+                    diag, ALIBI, pin, PIN)
             else:
                 acc, acc1, p_op, alpha, m_i, l_i = _overlap_step(
                     j, p_op, acc, acc1, alpha, m_i, l_i, q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem, k_ready,
                     v_ready, k_empty, v_empty, s_zero, qk_scale, rows, False, EARLY_K, j, False, 0, 0, False, SPLIT,
-                    slope2, diag, ALIBI)
+                    slope2, diag, ALIBI, pin, PIN)
         if CAUSAL:
             if n_tiles > 1:
                 acc, acc1, p_op, alpha, m_i, l_i = _overlap_step(
                     n_tiles - 1, p_op, acc, acc1, alpha, m_i, l_i, q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem,
                     k_ready, v_ready, k_empty, v_empty, s_zero, qk_scale, rows, True, EARLY_K, n_tiles - 1, False, 0,
-                    0, False, SPLIT, slope2, diag, ALIBI)
+                    0, False, SPLIT, slope2, diag, ALIBI, pin, PIN)
         # The last P V.
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         sl = (n_tiles - 1) % STAGES
@@ -499,7 +506,8 @@ if gluon is not None:
     def _fwd_body(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, v1_desc, o1_desc, lse_ptr, lse2_ptr, seqlen_q,
                   seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr, slope_stride,
                   HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
-                  CONSUMER_REGS: gl.constexpr, EARLY_K: gl.constexpr, SPLIT: gl.constexpr, ALIBI: gl.constexpr):
+                  CONSUMER_REGS: gl.constexpr, EARLY_K: gl.constexpr, SPLIT: gl.constexpr, ALIBI: gl.constexpr,
+                  PIN: gl.constexpr):
         """q_desc: [TILE, D0] blocks; k_desc / v_desc: [BLOCK_N, D0]; o_desc: [BLOCK_M, D0], with D0 = HEAD_DIM
         unless SPLIT: then the *1_desc blocks hold the head's other HEAD_DIM - D0 columns (a head dim that is not
         a power of two, as two power-of-two parts; without SPLIT they repeat the first ones, unused)."""
@@ -525,6 +533,10 @@ if gluon is not None:
             k_empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         else:
             k_empty = v_empty   # one release (after P V) frees the stage's K and V tiles together
+        if PIN:   # each consumer's row sums, written before its wait for P V and never read (_overlap_step)
+            pin = gl.allocate_shared_memory(gl.float32, [2 * _BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        else:
+            pin = q_smem   # unused
         mbarrier.init(q_ready, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
@@ -540,11 +552,12 @@ if gluon is not None:
             (_consumer, (q_smem.slice(0, _BLOCK_M), k_smem, v_smem, q1_smem.slice(0, _BLOCK_M), k1_smem, v1_smem,
                          q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, o1_desc, lse_ptr, lse2_ptr, seqlen_q,
                          seqlen_k, heads_q, qk_scale, win_left, win_right, slopes_ptr, slope_stride, 0, HEAD_DIM,
-                         CAUSAL, WINDOW, EARLY_K, SPLIT, ALIBI)),
+                         CAUSAL, WINDOW, EARLY_K, SPLIT, ALIBI, pin.slice(0, _BLOCK_M), PIN)),
             (_consumer, (q_smem.slice(_BLOCK_M, _BLOCK_M), k_smem, v_smem, q1_smem.slice(_BLOCK_M, _BLOCK_M),
                          k1_smem, v1_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, o1_desc, lse_ptr,
                          lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, win_left, win_right, slopes_ptr,
-                         slope_stride, 1, HEAD_DIM, CAUSAL, WINDOW, EARLY_K, SPLIT, ALIBI)),
+                         slope_stride, 1, HEAD_DIM, CAUSAL, WINDOW, EARLY_K, SPLIT, ALIBI,
+                         pin.slice(_BLOCK_M, _BLOCK_M), PIN)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
     # Two entry points over one body: without SPLIT the launch carries four descriptors, not eight (each costs host
@@ -554,20 +567,20 @@ if gluon is not None:
     def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, group,
                          qk_scale, win_left, win_right, slopes_ptr, slope_stride, HEAD_DIM: gl.constexpr,
                          CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         EARLY_K: gl.constexpr, ALIBI: gl.constexpr):
+                         EARLY_K: gl.constexpr, ALIBI: gl.constexpr, PIN: gl.constexpr):
         _fwd_body(q_desc, k_desc, v_desc, o_desc, q_desc, k_desc, v_desc, o_desc, lse_ptr, lse2_ptr, seqlen_q,
                   seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr, slope_stride, HEAD_DIM, CAUSAL,
-                  WINDOW, STAGES, CONSUMER_REGS, EARLY_K, False, ALIBI)
+                  WINDOW, STAGES, CONSUMER_REGS, EARLY_K, False, ALIBI, PIN)
 
     @gluon.jit(do_not_specialize=["win_left", "win_right"])
     def _attn_fwd_hopper_split(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, v1_desc, o1_desc, lse_ptr, lse2_ptr,
                                seqlen_q, seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr,
                                slope_stride, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EARLY_K: gl.constexpr,
-                               ALIBI: gl.constexpr):
+                               ALIBI: gl.constexpr, PIN: gl.constexpr):
         _fwd_body(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, v1_desc, o1_desc, lse_ptr, lse2_ptr, seqlen_q,
                   seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr, slope_stride, HEAD_DIM, CAUSAL,
-                  WINDOW, STAGES, CONSUMER_REGS, EARLY_K, True, ALIBI)
+                  WINDOW, STAGES, CONSUMER_REGS, EARLY_K, True, ALIBI, PIN)
 
     _launch = DirectLauncher(_attn_fwd_hopper)
     _launch_split = DirectLauncher(_attn_fwd_hopper_split)
@@ -591,8 +604,8 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> Desc:
     return Desc(t, [b * s, h * d], [h * d, 1], (rows, cols), _smem_layout(rows, cols, t.dtype))
 
 
-# Compiled variants (dtype, head dim, causal, device) and the ones whose compilation failed, with the
-# reason: a failure switches this path off for that variant (one warning), and the Triton kernel serves.
+# Compiled variants (variant_key and the pin) and the variants whose compilation failed, with the reason: a
+# failure switches this path off for that variant (one warning), and the Triton kernel serves.
 _compiled: set = set()
 broken: dict = {}
 
@@ -616,7 +629,8 @@ def launch_args(spec, q, k, v, out, lse, lse2, alibi=None) -> tuple:
     args = (*(p for part in parts for p in part), lse, lse2, sq, spec.seqlen_k, hq, spec.group_size,
             spec.softmax_scale * LOG2E, *window_bounds(spec), slopes, slope_stride)
     meta = dict(HEAD_DIM=d, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
-                CONSUMER_REGS=tiles.consumer_regs, EARLY_K=tiles.early_k, ALIBI=has_alibi, num_warps=4)
+                CONSUMER_REGS=tiles.consumer_regs, EARLY_K=tiles.early_k, ALIBI=has_alibi,
+                PIN=env.flag("FLASHPORT_HOPPER_FWD_PIN"), num_warps=4)
     return (sq // TILE, b * hq), args, meta
 
 
@@ -639,7 +653,7 @@ def forward(spec, q, k, v, warmup: bool = False, alibi=None):
     if warmup:
         return launch.compile(grid, args, meta)
     variant = variant_key(spec)
-    if variant not in _compiled:
+    if (variant, meta["PIN"]) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             launch.compile(grid, args, meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernel"
@@ -648,6 +662,6 @@ def forward(spec, q, k, v, warmup: bool = False, alibi=None):
                           f"for it; the Triton kernel serves instead ({broken[variant]})", RuntimeWarning,
                           stacklevel=3)
             return None
-        _compiled.add(variant)
+        _compiled.add((variant, meta["PIN"]))
     launch(grid, args, meta)
     return out, lse, lse2

@@ -57,6 +57,19 @@ def test_served_calls_conform(case, dtype, served):
     assert served, "the Hopper kernel did not serve this call"
 
 
+# FLASHPORT_HOPPER_FWD_PIN=1: the same kernel with a shared-memory store of the row sums before each wait for P V
+# (a scheduling change only); every head dim, causal and not, Sq != Sk, GQA, a window.
+PINNED = [(SERVED[i], {}) for i in (1, 2, 4, 5, 7, 9, 10)] + [
+    (Case(b=1, sq=1024, sk=1024, hq=4, hkv=2, d=128, window=(200, 0)), {"FLASHPORT_HOPPER_FWD_WINDOW": "1"}),
+    (Case(b=2, sq=512, sk=512, hq=4, hkv=2, d=96, causal=True), {"FLASHPORT_HOPPER_FWD_SPLIT": "1"})]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case, switches", PINNED, ids=str)
+def test_pinned_wait_conforms(case, switches, dtype, served, monkeypatch):
+    check_served_with({"FLASHPORT_HOPPER_FWD_PIN": "1", **switches}, case.replace(dtype=dtype), served, monkeypatch)
+
+
 # Sliding windows (FLASHPORT_HOPPER_FWD_WINDOW=1, Sq == Sk): each Q tile's ring holds only its band's key tiles,
 # masked where a tile crosses the band's edge for a warpgroup; rows whose first tiles hold no visible key keep
 # p = alpha = 0.  Left-only, right-only, two-sided, narrower than a key tile, wider than the sequence; GQA.

@@ -88,7 +88,30 @@ def report(kernel) -> dict:
     return {"registers": int(usage.get("REG", 0)), "stack_bytes": int(usage.get("STACK", 0)),
             "local_bytes": int(usage.get("LOCAL", 0)), "shared_bytes": kernel.metadata.shared,
             "max_register_used": live,
-            "sass": counts, "hgmma_shapes": gmma, "sass_ops": dict(sorted(ops.items()))}
+            "sass": counts, "hgmma_shapes": gmma, "sass_ops": dict(sorted(ops.items())),
+            "ex2_between_waits": ex2_between_waits(sass)}
+
+
+def ex2_between_waits(sass: str) -> list:
+    """MUFU.EX2 between each partial wgmma wait (WARPGROUP.DEPBAR.LE gsb0, 0x1 or more: S_j retired, P V still
+    running) and the full wait that follows it (0x0): the softmax work the Gluon forward overlaps with its P V
+    matmul (PERFLOG row 87).  One count per such pair, in program order."""
+    counts, open_ = [], None
+    for line in sass.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);", line)
+        if not m:
+            continue
+        op, rest = m.groups()
+        if op.startswith("WARPGROUP.DEPBAR"):
+            if rest.strip().endswith("0x0"):
+                if open_ is not None:
+                    counts.append(open_)
+                open_ = None
+            else:
+                open_ = 0
+        elif op == "MUFU.EX2" and open_ is not None:
+            open_ += 1
+    return counts
 
 
 def compile_case(d: int, causal: bool, dtype=torch.bfloat16, gqa: int = 1, configs: dict | None = None) -> list:
