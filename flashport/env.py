@@ -50,6 +50,9 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_HOPPER_FWD_PIN", "0", "1: the Hopper forward holds its wait for P V after the softmax of the next "
                                             "key tile (a shared-memory store of the row sums), so the exp2 overlap the "
                                             "P V matmul (off until a GPU run times it: PERFLOG row 87)"),
+    Switch("FLASHPORT_HOPPER_FWD_PINGPONG", "0", "1: the Hopper forward's two consumer warpgroups take turns issuing "
+                                                 "their matmuls (FA3's ping-pong), where a key tile spans the Q tile "
+                                                 "(off until a GPU run times it: PERFLOG row 88)"),
     Switch("FLASHPORT_HOPPER_FWD_WINDOW", "0", "1: the Hopper forward serves sliding windows (Sq == Sk; key tiles "
                                                "outside the band skipped), which the Triton kernel serves otherwise "
                                                "(off until a GPU run checks and times it: PERFLOG row 79)"),

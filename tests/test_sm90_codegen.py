@@ -38,18 +38,21 @@ def test_tuned_kernels_use_hgmma_without_spills(tmp_path, d, gqa):
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="Triton's bundled cuobjdump is missing")
-@pytest.mark.parametrize("pin", ["0", "1"])
-def test_hopper_forward_compiles_to_hgmma_and_tma_without_spills(pin, tmp_path):
+@pytest.mark.parametrize("switches", [{}, {"FLASHPORT_HOPPER_FWD_PIN": "1"},
+                                      {"FLASHPORT_HOPPER_FWD_PIN": "1", "FLASHPORT_HOPPER_FWD_PINGPONG": "1"}],
+                         ids=["plain", "pin", "pin+pingpong"])
+def test_hopper_forward_compiles_to_hgmma_and_tma_without_spills(switches, tmp_path):
     """The Gluon forward (kernels/attn_fwd_hopper.py) has no interpreter: this is its CPU-side check, for
     every head dim of its tile table (80 and 96 as two column parts), no mask, causal, a window and causal with
     ALiBi: HGMMA, TMA loads, setmaxnreg, no spills, the registers it touches within the consumers' setmaxnreg
     count, shared memory within sm_90's opt-in.  With FLASHPORT_HOPPER_FWD_PIN=1 the softmax's exp2 of each key
     tile lie between the wait for S_j and the wait for P_{j-1} V_{j-1} in the SASS (a tile of 128 keys has 64 per
-    thread, of 64 keys 32): the overlap FA3 schedules, which ptxas undoes without the pin (PERFLOG row 87)."""
+    thread, of 64 keys 32): the overlap FA3 schedules, which ptxas undoes without the pin (PERFLOG row 87); so too
+    with the warpgroups' ping-pong (FLASHPORT_HOPPER_FWD_PINGPONG=1, row 88)."""
     pytest.importorskip("triton.experimental.gluon")
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["FLASHPORT_HOPPER_FWD_PIN"] = pin
+    env.update(switches)
     proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "compile_report.py"), "--d", "--hopper-fwd",
                            "--hopper-dtype", "bf16", "--gqa", "2", "--json", str(out)], env=env, capture_output=True,
                           text=True, timeout=600)
@@ -66,7 +69,7 @@ def test_hopper_forward_compiles_to_hgmma_and_tma_without_spills(pin, tmp_path):
         assert any(op.startswith("UTMALDG") for op in ops) and any(op.startswith("USETMAXREG") for op in ops), ops
         assert r["max_register_used"] <= r["config"]["consumer_regs"], (r["d"], r["causal"], r["max_register_used"])
         assert r["shared_bytes"] <= 232448, (r["d"], r["shared_bytes"])
-        if pin == "1":
+        if switches:
             waits = r["ex2_between_waits"]
             assert waits and min(waits) >= 32, (r["d"], r["causal"], waits)
 

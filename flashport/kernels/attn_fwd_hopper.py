@@ -314,10 +314,25 @@ if gluon is not None:
         return p, alpha, m_new, l_new
 
     @gluon.jit
+    def _take_turn(turn, k, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        """PINGPONG (FA3's warpgroup ping-pong): warpgroup WG issues its k-th group of matmuls only after the other
+        warpgroup issued its own k-th (WG 1) or (k-1)-th (WG 0), so one warpgroup's matmuls run while the other
+        computes its softmax.  turn[WG] completes a phase per arrival of the other warpgroup (_pass_turn); the
+        first wait of warpgroup 0 passes on the fresh barrier (parity 1).  Both warpgroups issue the same number
+        of groups (the host enables PINGPONG only where BLOCK_N == TILE), so neither waits for a turn never passed."""
+        if PINGPONG:
+            mbarrier.wait(turn.index(WG), (k & 1) ^ (1 - WG))
+
+    @gluon.jit
+    def _pass_turn(turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
+        if PINGPONG:
+            mbarrier.arrive(turn.index(1 - WG), count=1)
+
+    @gluon.jit
     def _overlap_step(j, p_prev, acc, acc1, alpha, m_i, l_i, q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem, k_ready,
                       v_ready, k_empty, v_empty, s_zero, qk_scale, rows, MASKED: gl.constexpr, EARLY_K: gl.constexpr,
                       kt, edge, win_left, win_right, WINDOW: gl.constexpr, SPLIT: gl.constexpr, slope2, diag,
-                      ALIBI: gl.constexpr, pin, PIN: gl.constexpr):
+                      ALIBI: gl.constexpr, pin, PIN: gl.constexpr, turn, WG: gl.constexpr, PINGPONG: gl.constexpr):
         """Key tile j of the ring: S_j = Q K_j^T and acc += P_{j-1} V_{j-1} in flight together; the softmax of
         S_j runs while the P V matmul is still on the tensor cores.  Returns (acc, acc1, P_j as an operand,
         alpha_j, m, l).  WINDOW: ring tile j is key tile kt, masked where `edge`.  SPLIT: S_j sums the two
@@ -327,6 +342,7 @@ if gluon is not None:
         s = j % STAGES
         sp = (j - 1) % STAGES
         mbarrier.wait(k_ready.index(s), (j // STAGES) & 1)
+        _take_turn(turn, j, WG, PINGPONG)
         s_tok = warpgroup_mma(q_wg, k_smem.index(s).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if SPLIT:
             s_tok = warpgroup_mma(q1_wg, k1_smem.index(s).permute((1, 0)), s_tok, is_async=True)
@@ -338,6 +354,8 @@ if gluon is not None:
         if SPLIT:
             p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc1.type.layout, k_width=2)
             o1_tok = warpgroup_mma(gl.convert_layout(p_prev, p1_layout), v1_smem.index(sp), acc1, is_async=True)
+        _pass_turn(turn, WG, PINGPONG)
+        if SPLIT:
             s_ij = warpgroup_mma_wait(2, deps=[s_tok])      # retire S_j only: both P V parts keep running
         else:
             s_ij = warpgroup_mma_wait(1, deps=[s_tok])      # retire S_j only: the P V keeps running
@@ -369,7 +387,7 @@ if gluon is not None:
                   o1_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, win_left, win_right, slopes_ptr,
                   slope_stride, WG: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, EARLY_K: gl.constexpr, SPLIT: gl.constexpr, ALIBI: gl.constexpr, pin,
-                  PIN: gl.constexpr):
+                  PIN: gl.constexpr, turn, PINGPONG: gl.constexpr):
         """Warpgroup WG: rows [WG * BLOCK_M, (WG + 1) * BLOCK_M) of the program's Q tile; acc fp32 (SPLIT: acc
         the output's columns [0, D0), acc1 the rest)."""
         dtype: gl.constexpr = o_desc.dtype
@@ -424,9 +442,11 @@ if gluon is not None:
 
         # Tile 0: S_0 and its softmax (no P V in flight yet); it is the diagonal when n_tiles == 1.
         mbarrier.wait(k_ready.index(0), 0)
+        _take_turn(turn, 0, WG, PINGPONG)
         s_tok = warpgroup_mma(q_wg, k_smem.index(0).permute((1, 0)), s_zero, use_acc=False, is_async=True)
         if SPLIT:
             s_tok = warpgroup_mma(q1_wg, k1_smem.index(0).permute((1, 0)), s_tok, is_async=True)
+        _pass_turn(turn, WG, PINGPONG)
         s_ij = warpgroup_mma_wait(0, deps=[s_tok])
         if EARLY_K:
             mbarrier.arrive(k_empty.index(0), count=1)
@@ -448,27 +468,30 @@ if gluon is not None:
                     j, p_op, acc, acc1, alpha, m_i, l_i, q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem, k_ready,
                     v_ready, k_empty, v_empty, s_zero, qk_scale, rows, False, EARLY_K, t0 + j,
                     _band_edge(row0, t0 + j, win_left, win_right, BLOCK_N), win_left, win_right, True, SPLIT, slope2,
-                    diag, ALIBI, pin, PIN)
+                    diag, ALIBI, pin, PIN, turn, WG, PINGPONG)
             else:
                 acc, acc1, p_op, alpha, m_i, l_i = _overlap_step(
                     j, p_op, acc, acc1, alpha, m_i, l_i, q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem, k_ready,
                     v_ready, k_empty, v_empty, s_zero, qk_scale, rows, False, EARLY_K, j, False, 0, 0, False, SPLIT,
-                    slope2, diag, ALIBI, pin, PIN)
+                    slope2, diag, ALIBI, pin, PIN, turn, WG, PINGPONG)
         if CAUSAL:
             if n_tiles > 1:
                 acc, acc1, p_op, alpha, m_i, l_i = _overlap_step(
                     n_tiles - 1, p_op, acc, acc1, alpha, m_i, l_i, q_wg, k_smem, v_smem, q1_wg, k1_smem, v1_smem,
                     k_ready, v_ready, k_empty, v_empty, s_zero, qk_scale, rows, True, EARLY_K, n_tiles - 1, False, 0,
-                    0, False, SPLIT, slope2, diag, ALIBI, pin, PIN)
+                    0, False, SPLIT, slope2, diag, ALIBI, pin, PIN, turn, WG, PINGPONG)
         # The last P V.
         acc = acc * gl.convert_layout(alpha, row_o)[:, None]
         sl = (n_tiles - 1) % STAGES
         mbarrier.wait(v_ready.index(sl), ((n_tiles - 1) // STAGES) & 1)
+        _take_turn(turn, n_tiles, WG, PINGPONG)
         o_tok = warpgroup_mma(p_op, v_smem.index(sl), acc, is_async=True)
         if SPLIT:
             acc1 = acc1 * gl.convert_layout(alpha, gl.SliceLayout(1, o1_layout))[:, None]
             p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=o1_layout, k_width=2)
             o1_tok = warpgroup_mma(gl.convert_layout(p_op, p1_layout), v1_smem.index(sl), acc1, is_async=True)
+        _pass_turn(turn, WG, PINGPONG)
+        if SPLIT:
             acc, acc1 = warpgroup_mma_wait(0, deps=[o_tok, o1_tok])
         else:
             acc = warpgroup_mma_wait(0, deps=[o_tok])
@@ -507,7 +530,7 @@ if gluon is not None:
                   seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr, slope_stride,
                   HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr,
                   CONSUMER_REGS: gl.constexpr, EARLY_K: gl.constexpr, SPLIT: gl.constexpr, ALIBI: gl.constexpr,
-                  PIN: gl.constexpr):
+                  PIN: gl.constexpr, PINGPONG: gl.constexpr):
         """q_desc: [TILE, D0] blocks; k_desc / v_desc: [BLOCK_N, D0]; o_desc: [BLOCK_M, D0], with D0 = HEAD_DIM
         unless SPLIT: then the *1_desc blocks hold the head's other HEAD_DIM - D0 columns (a head dim that is not
         a power of two, as two power-of-two parts; without SPLIT they repeat the first ones, unused)."""
@@ -537,6 +560,10 @@ if gluon is not None:
             pin = gl.allocate_shared_memory(gl.float32, [2 * _BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         else:
             pin = q_smem   # unused
+        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # PINGPONG: _take_turn
+        if PINGPONG:
+            for i in gl.static_range(2):
+                mbarrier.init(turn.index(i), count=1)   # the other warpgroup's arrival
         mbarrier.init(q_ready, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
@@ -552,12 +579,12 @@ if gluon is not None:
             (_consumer, (q_smem.slice(0, _BLOCK_M), k_smem, v_smem, q1_smem.slice(0, _BLOCK_M), k1_smem, v1_smem,
                          q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, o1_desc, lse_ptr, lse2_ptr, seqlen_q,
                          seqlen_k, heads_q, qk_scale, win_left, win_right, slopes_ptr, slope_stride, 0, HEAD_DIM,
-                         CAUSAL, WINDOW, EARLY_K, SPLIT, ALIBI, pin.slice(0, _BLOCK_M), PIN)),
+                         CAUSAL, WINDOW, EARLY_K, SPLIT, ALIBI, pin.slice(0, _BLOCK_M), PIN, turn, PINGPONG)),
             (_consumer, (q_smem.slice(_BLOCK_M, _BLOCK_M), k_smem, v_smem, q1_smem.slice(_BLOCK_M, _BLOCK_M),
                          k1_smem, v1_smem, q_ready, k_ready, v_ready, k_empty, v_empty, o_desc, o1_desc, lse_ptr,
                          lse2_ptr, seqlen_q, seqlen_k, heads_q, qk_scale, win_left, win_right, slopes_ptr,
                          slope_stride, 1, HEAD_DIM, CAUSAL, WINDOW, EARLY_K, SPLIT, ALIBI,
-                         pin.slice(_BLOCK_M, _BLOCK_M), PIN)),
+                         pin.slice(_BLOCK_M, _BLOCK_M), PIN, turn, PINGPONG)),
         ], [4, 4], [CONSUMER_REGS, CONSUMER_REGS])
 
     # Two entry points over one body: without SPLIT the launch carries four descriptors, not eight (each costs host
@@ -567,20 +594,20 @@ if gluon is not None:
     def _attn_fwd_hopper(q_desc, k_desc, v_desc, o_desc, lse_ptr, lse2_ptr, seqlen_q, seqlen_k, heads_q, group,
                          qk_scale, win_left, win_right, slopes_ptr, slope_stride, HEAD_DIM: gl.constexpr,
                          CAUSAL: gl.constexpr, WINDOW: gl.constexpr, STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr,
-                         EARLY_K: gl.constexpr, ALIBI: gl.constexpr, PIN: gl.constexpr):
+                         EARLY_K: gl.constexpr, ALIBI: gl.constexpr, PIN: gl.constexpr, PINGPONG: gl.constexpr):
         _fwd_body(q_desc, k_desc, v_desc, o_desc, q_desc, k_desc, v_desc, o_desc, lse_ptr, lse2_ptr, seqlen_q,
                   seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr, slope_stride, HEAD_DIM, CAUSAL,
-                  WINDOW, STAGES, CONSUMER_REGS, EARLY_K, False, ALIBI, PIN)
+                  WINDOW, STAGES, CONSUMER_REGS, EARLY_K, False, ALIBI, PIN, PINGPONG)
 
     @gluon.jit(do_not_specialize=["win_left", "win_right"])
     def _attn_fwd_hopper_split(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, v1_desc, o1_desc, lse_ptr, lse2_ptr,
                                seqlen_q, seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr,
                                slope_stride, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                                STAGES: gl.constexpr, CONSUMER_REGS: gl.constexpr, EARLY_K: gl.constexpr,
-                               ALIBI: gl.constexpr, PIN: gl.constexpr):
+                               ALIBI: gl.constexpr, PIN: gl.constexpr, PINGPONG: gl.constexpr):
         _fwd_body(q_desc, k_desc, v_desc, o_desc, q1_desc, k1_desc, v1_desc, o1_desc, lse_ptr, lse2_ptr, seqlen_q,
                   seqlen_k, heads_q, group, qk_scale, win_left, win_right, slopes_ptr, slope_stride, HEAD_DIM, CAUSAL,
-                  WINDOW, STAGES, CONSUMER_REGS, EARLY_K, True, ALIBI, PIN)
+                  WINDOW, STAGES, CONSUMER_REGS, EARLY_K, True, ALIBI, PIN, PINGPONG)
 
     _launch = DirectLauncher(_attn_fwd_hopper)
     _launch_split = DirectLauncher(_attn_fwd_hopper_split)
@@ -604,7 +631,7 @@ def _descriptor(t: torch.Tensor, rows: int, cols: int | None = None) -> Desc:
     return Desc(t, [b * s, h * d], [h * d, 1], (rows, cols), _smem_layout(rows, cols, t.dtype))
 
 
-# Compiled variants (variant_key and the pin) and the variants whose compilation failed, with the reason: a
+# Compiled variants (variant_key, the pin and ping-pong) and the variants whose compilation failed, with the reason: a
 # failure switches this path off for that variant (one warning), and the Triton kernel serves.
 _compiled: set = set()
 broken: dict = {}
@@ -630,7 +657,9 @@ def launch_args(spec, q, k, v, out, lse, lse2, alibi=None) -> tuple:
             spec.softmax_scale * LOG2E, *window_bounds(spec), slopes, slope_stride)
     meta = dict(HEAD_DIM=d, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
                 CONSUMER_REGS=tiles.consumer_regs, EARLY_K=tiles.early_k, ALIBI=has_alibi,
-                PIN=env.flag("FLASHPORT_HOPPER_FWD_PIN"), num_warps=4)
+                PIN=env.flag("FLASHPORT_HOPPER_FWD_PIN"),
+                # both warpgroups issue the same number of matmul groups only where a key tile spans the Q tile
+                PINGPONG=env.flag("FLASHPORT_HOPPER_FWD_PINGPONG") and tiles.block_n == TILE, num_warps=4)
     return (sq // TILE, b * hq), args, meta
 
 
@@ -653,7 +682,7 @@ def forward(spec, q, k, v, warmup: bool = False, alibi=None):
     if warmup:
         return launch.compile(grid, args, meta)
     variant = variant_key(spec)
-    if (variant, meta["PIN"]) not in _compiled:
+    if (variant, meta["PIN"], meta["PINGPONG"]) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             launch.compile(grid, args, meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernel"
@@ -662,6 +691,6 @@ def forward(spec, q, k, v, warmup: bool = False, alibi=None):
                           f"for it; the Triton kernel serves instead ({broken[variant]})", RuntimeWarning,
                           stacklevel=3)
             return None
-        _compiled.add((variant, meta["PIN"]))
+        _compiled.add((variant, meta["PIN"], meta["PINGPONG"]))
     launch(grid, args, meta)
     return out, lse, lse2

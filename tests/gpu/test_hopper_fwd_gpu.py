@@ -70,6 +70,23 @@ def test_pinned_wait_conforms(case, switches, dtype, served, monkeypatch):
     check_served_with({"FLASHPORT_HOPPER_FWD_PIN": "1", **switches}, case.replace(dtype=dtype), served, monkeypatch)
 
 
+# FLASHPORT_HOPPER_FWD_PINGPONG=1 (with and without the pin): the consumer warpgroups take turns issuing their
+# matmuls through two mbarriers; a wrong parity or count hangs the kernel (the tier's time limit shows it) or
+# reorders nothing.  One key tile (tile 0 and the last P V only), many, causal, windows, GQA, split head dims; D=256
+# keeps it off (its warpgroups issue different numbers of matmul groups under causal).
+PINGPONG = [(SERVED[i], {}) for i in (1, 4, 5, 7, 8, 10)] + [
+    (SERVED[0], {"FLASHPORT_HOPPER_FWD_PIN": "1"}), (SERVED[2], {"FLASHPORT_HOPPER_FWD_PIN": "1"}),
+    (Case(b=1, sq=1024, sk=1024, hq=4, hkv=2, d=128, window=(200, 0)), {"FLASHPORT_HOPPER_FWD_WINDOW": "1"}),
+    (Case(b=2, sq=512, sk=512, hq=4, hkv=2, d=80, causal=True), {"FLASHPORT_HOPPER_FWD_SPLIT": "1"})]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case, switches", PINGPONG, ids=str)
+def test_pingpong_conforms(case, switches, dtype, served, monkeypatch):
+    check_served_with({"FLASHPORT_HOPPER_FWD_PINGPONG": "1", **switches}, case.replace(dtype=dtype), served,
+                      monkeypatch)
+
+
 # Sliding windows (FLASHPORT_HOPPER_FWD_WINDOW=1, Sq == Sk): each Q tile's ring holds only its band's key tiles,
 # masked where a tile crosses the band's edge for a warpgroup; rows whose first tiles hold no visible key keep
 # p = alpha = 0.  Left-only, right-only, two-sided, narrower than a key tile, wider than the sequence; GQA.

@@ -2,7 +2,8 @@
 with its switch off, one process, bf16: sliding windows (FLASHPORT_HOPPER_FWD_WINDOW, FLASHPORT_HOPPER_BWD_WINDOW;
 PERFLOG rows 78, 79), the two-part head dims 80 and 96 (FLASHPORT_HOPPER_FWD_SPLIT, FLASHPORT_HOPPER_BWD_SPLIT;
 rows 81, 86), ALiBi in both directions (FLASHPORT_HOPPER_FWD_ALIBI, FLASHPORT_HOPPER_BWD_ALIBI; rows 82, 83) and
-the forward's wait for P V held after the softmax (FLASHPORT_HOPPER_FWD_PIN; row 87, the standard grid's cells).  Per
+the forward's wait for P V held after the softmax and its warpgroups' ping-pong (FLASHPORT_HOPPER_FWD_PIN,
+FLASHPORT_HOPPER_FWD_PINGPONG; rows 87, 88, the standard grid's cells).  Per
 case and setting: forward and backward milliseconds and TFLOP/s (visible pairs, FlashAttention's 2.5x convention
 for the backward), which kernels served, and the largest difference between each run's output and gradients and
 those of the first setting, relative to their scale.  Cases: issue [14]'s window 2048 over 16k (GQA 16/4),
@@ -26,8 +27,10 @@ SPLIT = (("triton", {}), ("gluon fwd", {"FLASHPORT_HOPPER_FWD_SPLIT": "1"}),
          ("gluon both", {"FLASHPORT_HOPPER_FWD_SPLIT": "1", "FLASHPORT_HOPPER_BWD_SPLIT": "1"}))
 ALIBI = (("triton", {}), ("gluon fwd", {"FLASHPORT_HOPPER_FWD_ALIBI": "1"}),
          ("gluon both", {"FLASHPORT_HOPPER_FWD_ALIBI": "1", "FLASHPORT_HOPPER_BWD_ALIBI": "1"}))
-PIN = (("gluon", {}), ("gluon pin", {"FLASHPORT_HOPPER_FWD_PIN": "1"}))
-SWITCHES = ("FLASHPORT_HOPPER_FWD_PIN", "FLASHPORT_HOPPER_FWD_WINDOW", "FLASHPORT_HOPPER_BWD_WINDOW", "FLASHPORT_HOPPER_FWD_SPLIT",
+PIN = (("gluon", {}), ("gluon pin", {"FLASHPORT_HOPPER_FWD_PIN": "1"}),
+       ("gluon pingpong", {"FLASHPORT_HOPPER_FWD_PINGPONG": "1"}),
+       ("gluon pin+pingpong", {"FLASHPORT_HOPPER_FWD_PIN": "1", "FLASHPORT_HOPPER_FWD_PINGPONG": "1"}))
+SWITCHES = ("FLASHPORT_HOPPER_FWD_PIN", "FLASHPORT_HOPPER_FWD_PINGPONG", "FLASHPORT_HOPPER_FWD_WINDOW", "FLASHPORT_HOPPER_BWD_WINDOW", "FLASHPORT_HOPPER_FWD_SPLIT",
             "FLASHPORT_HOPPER_FWD_ALIBI", "FLASHPORT_HOPPER_BWD_ALIBI", "FLASHPORT_HOPPER_BWD_SPLIT")
 CASES = [   # name, B, S, Hq, Hkv, D, call keywords, settings
     ("pin: D=128, S=8k, H=16", 2, 8192, 16, 16, 128, {}, PIN),
