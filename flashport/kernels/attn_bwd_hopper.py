@@ -151,6 +151,8 @@ def spec_reasons(spec) -> list[str]:
 
 
 if gluon is not None:
+    from .attn_fwd_hopper import _load   # a tile (and with SPLIT its second column part) onto one barrier
+
     @builtin
     def _tma_reduce_add(tensor_desc, coord, src, _semantic=None):
         """global[tile at coord] += src (shared): TMA's bulk reduce-add.  Triton 3.6 has the op (tl's
@@ -223,18 +225,6 @@ if gluon is not None:
             _tma_reduce_add(dq_desc, [row, h * HEAD_DIM + HEAD_DIM // 2], dq_smem.index(2 * u + 1))
         tma.store_wait(0)
         mbarrier.arrive(dq_bars.index(DQ_BUFS + u), count=1)   # (after a barrier of this partition)
-
-    @gluon.jit
-    def _load(desc, desc1, bar, buf, buf1, row, col, D0: gl.constexpr, SPLIT: gl.constexpr):
-        """TMA: the tile at (row, col) into buf, and with SPLIT its columns from D0 on through desc1 into buf1; one
-        arrival on bar expects every byte."""
-        if SPLIT:
-            mbarrier.expect(bar, desc.block_type.nbytes + desc1.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc, [row, col], bar, buf)
-            tma.async_copy_global_to_shared(desc1, [row, col + D0], bar, buf1)
-        else:
-            mbarrier.expect(bar, desc.block_type.nbytes)
-            tma.async_copy_global_to_shared(desc, [row, col], bar, buf)
 
     @gluon.jit
     def _producer(q_desc, k_desc, v_desc, do_desc, k_smem, v_smem, q_smem, do_smem, q1_desc, k1_desc, v1_desc,
