@@ -283,7 +283,7 @@ if gluon is not None:
               q_ready, do_ready, qdo_empty, ds_ready, dq_smem, dq1_smem, dq_bars, stat_smem, kv_rows, seqlen_k,
               qk_scale, sm_scale, win_left, win_right, slope2, diag, WG: gl.constexpr, MASK: gl.constexpr,
               WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr,
-              SPLIT: gl.constexpr):
+              SPLIT: gl.constexpr, DQ_FIRST: gl.constexpr):
         """Q tile j (the i-th of this program): dK, dV updated, this warpgroup's half of dQ_j handed to the
         producer through dq_smem.  SPLIT: S^T and dP^T sum the two column parts' products, dk1 / dv1 hold the
         second part of dK / dV, and this warpgroup's part of dQ_j (k_half's columns) goes to dq_smem (WG 0) or
@@ -364,20 +364,34 @@ if gluon is not None:
         ds_wg.store(ds_t)
         fence_async_shared()                                      # generic-proxy stores -> wgmma reads
         mbarrier.arrive(ds_ready.index(slot), count=1)            # (after a barrier of this warpgroup)
-        dk_tok = warpgroup_mma(ds_wg, q_s, dk, is_async=True)
-        if SPLIT:
-            dk1_tok = warpgroup_mma(ds_wg, q1_s, dk1, is_async=True)
-            dv, dv1 = warpgroup_mma_wait(2, deps=[dv_tok, dv1_tok])   # frees P^T's registers; dK keeps running
-        else:
-            dv = warpgroup_mma_wait(1, deps=[dv_tok])             # frees P^T's registers; dK keeps running
-        mbarrier.wait(ds_ready.index(slot), (i // 2) & 1)
         dq_zero = gl.zeros([_BLOCK_M, DQ_COLS], gl.float32, dq_layout)
-        dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
-        if SPLIT:
-            dk, dk1, dq = warpgroup_mma_wait(0, deps=[dk_tok, dk1_tok, dq_tok])
+        if DQ_FIRST:
+            # FA3's and FA4's order: dQ_j issued before dK, so dK's matmul runs while dQ_j goes to shared memory
+            # below (retire order: dV, dQ, then dK at the step's end)
+            mbarrier.wait(ds_ready.index(slot), (i // 2) & 1)
+            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
+            dk_tok = warpgroup_mma(ds_wg, q_s, dk, is_async=True)
+            if SPLIT:
+                dk1_tok = warpgroup_mma(ds_wg, q1_s, dk1, is_async=True)
+                dv, dv1 = warpgroup_mma_wait(3, deps=[dv_tok, dv1_tok])
+                dq = warpgroup_mma_wait(2, deps=[dq_tok])
+            else:
+                dv = warpgroup_mma_wait(2, deps=[dv_tok])
+                dq = warpgroup_mma_wait(1, deps=[dq_tok])
         else:
-            dk, dq = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok])
-        mbarrier.arrive(qdo_empty.index(s), count=1)              # Q_j, dO_j no longer read by this warpgroup
+            dk_tok = warpgroup_mma(ds_wg, q_s, dk, is_async=True)
+            if SPLIT:
+                dk1_tok = warpgroup_mma(ds_wg, q1_s, dk1, is_async=True)
+                dv, dv1 = warpgroup_mma_wait(2, deps=[dv_tok, dv1_tok])   # frees P^T's registers; dK keeps running
+            else:
+                dv = warpgroup_mma_wait(1, deps=[dv_tok])             # frees P^T's registers; dK keeps running
+            mbarrier.wait(ds_ready.index(slot), (i // 2) & 1)
+            dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
+            if SPLIT:
+                dk, dk1, dq = warpgroup_mma_wait(0, deps=[dk_tok, dk1_tok, dq_tok])
+            else:
+                dk, dq = warpgroup_mma_wait(0, deps=[dk_tok, dq_tok])
+            mbarrier.arrive(qdo_empty.index(s), count=1)          # Q_j, dO_j no longer read by this warpgroup
 
         # This warpgroup's half of dQ_j into dq_smem buffer u (the protocol: _drain_dq's docstring).
         u = i % DQ_BUFS
@@ -391,6 +405,12 @@ if gluon is not None:
             dq_smem.index(2 * u + WG).store(dq)
         fence_async_shared()                                      # generic-proxy stores -> the TMA's reads
         mbarrier.arrive(dq_bars.index(u), count=1)                # (after a barrier of this warpgroup)
+        if DQ_FIRST:
+            if SPLIT:
+                dk, dk1 = warpgroup_mma_wait(0, deps=[dk_tok, dk1_tok])
+            else:
+                dk = warpgroup_mma_wait(0, deps=[dk_tok])
+            mbarrier.arrive(qdo_empty.index(s), count=1)          # Q_j, dO_j no longer read by this warpgroup
         return dk, dv, dk1, dv1
 
     @gluon.jit
@@ -398,7 +418,8 @@ if gluon is not None:
                   do_ready, qdo_empty, ds_ready, dq_smem, dq1_smem, dq_bars, stat_smem, dk_ptr, dv_ptr, seqlen_q,
                   seqlen_k, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride, WG: gl.constexpr,
                   HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                  DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr, SPLIT: gl.constexpr):
+                  DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr, SPLIT: gl.constexpr,
+                  DQ_FIRST: gl.constexpr):
         """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, D] (SPLIT: dk, dv
         the columns [0, D0), dk1, dv1 the rest)."""
         D0: gl.constexpr = q_smem.shape[2]
@@ -441,7 +462,8 @@ if gluon is not None:
             dk, dv, dk1, dv1 = _step(i, j0 + i, dk, dv, dk1, dv1, k_wg, v_wg, k1_wg, v1_wg, k_half, q_smem, do_smem,
                                      q1_smem, do1_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_smem,
                                      dq1_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale, sm_scale, win_left,
-                                     win_right, slope2, diag, WG, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT)
+                                     win_right, slope2, diag, WG, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT,
+                                     DQ_FIRST)
 
         # Epilogue: dK, dV rows of query head h into [B, Sk, Hq, D]: dk / dv themselves without GQA, else
         # float32 partials.  Hq is a compile-time constant: with constant row strides the per-thread offsets
@@ -473,7 +495,7 @@ if gluon is not None:
                   delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, group, qk_scale, sm_scale, win_left, win_right,
                   slopes_ptr, slope_stride, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr,
-                  ALIBI: gl.constexpr, SPLIT: gl.constexpr):
+                  ALIBI: gl.constexpr, SPLIT: gl.constexpr, DQ_FIRST: gl.constexpr):
         """q_desc / do_desc: [BLOCK_M, D0] blocks; k_desc / v_desc: [BLOCK_N, D0]; dq_desc: float32 [BLOCK_M, D / 2]
         (one warpgroup's half of dQ_j), with D0 = HEAD_DIM unless SPLIT: then the *1_desc blocks hold the head's
         other HEAD_DIM - D0 columns, and dq_desc / dq1_desc the two parts of dQ_j (without SPLIT they repeat the
@@ -532,11 +554,11 @@ if gluon is not None:
             (_consumer, (k_smem, v_smem, q_smem, do_smem, k1_smem, v1_smem, q1_smem, do1_smem, ds_smem, kv_ready,
                          q_ready, do_ready, qdo_empty, ds_ready, dq_smem, dq1_smem, dq_bars, stat_smem, dk_ptr, dv_ptr,
                          seqlen_q, seqlen_k, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride, 0,
-                         HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT)),
+                         HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT, DQ_FIRST)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, k1_smem, v1_smem, q1_smem, do1_smem, ds_smem, kv_ready,
                          q_ready, do_ready, qdo_empty, ds_ready, dq_smem, dq1_smem, dq_bars, stat_smem, dk_ptr, dv_ptr,
                          seqlen_q, seqlen_k, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride, 1,
-                         HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT)),
+                         HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT, DQ_FIRST)),
         ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
 
     # Two entry points over one body: without SPLIT the launch carries five descriptors, not ten (Triton's launcher
@@ -546,20 +568,24 @@ if gluon is not None:
     def _attn_bwd_hopper(q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q,
                          seqlen_k, group, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride,
                          HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                         STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr):
+                         STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr,
+                         DQ_FIRST: gl.constexpr):
         _bwd_body(q_desc, k_desc, v_desc, do_desc, dq_desc, q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr,
                   delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, group, qk_scale, sm_scale, win_left, win_right,
-                  slopes_ptr, slope_stride, HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, STAGES, DQ_BUFS, RAGGED, ALIBI, False)
+                  slopes_ptr, slope_stride, HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, STAGES, DQ_BUFS, RAGGED, ALIBI, False,
+                  DQ_FIRST)
 
     @gluon.jit(do_not_specialize=["win_left", "win_right"])
     def _attn_bwd_hopper_split(q_desc, k_desc, v_desc, do_desc, dq_desc, q1_desc, k1_desc, v1_desc, do1_desc,
                                dq1_desc, lse_ptr, delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, group, qk_scale,
                                sm_scale, win_left, win_right, slopes_ptr, slope_stride, HEADS_Q: gl.constexpr,
                                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                               STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr):
+                               STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr,
+                               DQ_FIRST: gl.constexpr):
         _bwd_body(q_desc, k_desc, v_desc, do_desc, dq_desc, q1_desc, k1_desc, v1_desc, do1_desc, dq1_desc, lse_ptr,
                   delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, group, qk_scale, sm_scale, win_left, win_right,
-                  slopes_ptr, slope_stride, HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, STAGES, DQ_BUFS, RAGGED, ALIBI, True)
+                  slopes_ptr, slope_stride, HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, STAGES, DQ_BUFS, RAGGED, ALIBI, True,
+                  DQ_FIRST)
 
     _launch = DirectLauncher(_attn_bwd_hopper)
     _launch_split = DirectLauncher(_attn_bwd_hopper_split)
@@ -618,12 +644,13 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and mask kind.
     kind = spec.visibility.kind
     meta = dict(HEADS_Q=hq, HEAD_DIM=d, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
-                DQ_BUFS=tiles.dq_bufs, RAGGED=ragged, ALIBI=has_alibi, num_warps=4)
+                DQ_BUFS=tiles.dq_bufs, RAGGED=ragged, ALIBI=has_alibi,
+                DQ_FIRST=env.flag("FLASHPORT_HOPPER_BWD_DQ_FIRST"), num_warps=4)
     launch = _launch_split if split else _launch
     if warmup:
         return launch.compile(grid, args, meta)
     key = variant_key(spec)
-    if (tiles, hq, group > 1, ragged, *key) not in _compiled:
+    if (tiles, hq, group > 1, ragged, meta["DQ_FIRST"], *key) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             launch.compile(grid, args, meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernels"
@@ -631,7 +658,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
             warnings.warn(f"flashport: the Hopper backward failed to compile for {key} and is switched off "
                           f"for it; the Triton kernels serve instead ({broken[key]})", RuntimeWarning, stacklevel=3)
             return None
-        _compiled.add((tiles, hq, group > 1, ragged, *key))
+        _compiled.add((tiles, hq, group > 1, ragged, meta["DQ_FIRST"], *key))
     launch(grid, args, meta)
     # dQ already carries softmax_scale (folded into dS): the epilogue is a cast.
     dq = dq.copy_(dq_accum) if dq is not None else dq_accum.to(q.dtype)

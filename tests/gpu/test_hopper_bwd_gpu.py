@@ -134,6 +134,19 @@ def test_split_head_dims_conform(case, switches, dtype, served, monkeypatch):
     check_served_with({"FLASHPORT_HOPPER_BWD_SPLIT": "1", **switches}, case.replace(dtype=dtype), served, monkeypatch)
 
 
+# FLASHPORT_HOPPER_BWD_DQ_FIRST=1: dQ_j's matmul issued before dK's, dK retired after dQ_j's store (FA3's order).
+# Every head dim, causal, Sq != Sk, GQA / MQA, ragged, one Q tile, windows, ALiBi, split head dims.
+DQ_FIRST = [(SERVED[i], {}) for i in (1, 2, 4, 5, 6, 8, 14, 15)] + [
+    (WINDOWS[2], {"FLASHPORT_HOPPER_BWD_WINDOW": "1"}), (ALIBI[0][0], {"FLASHPORT_HOPPER_BWD_ALIBI": "1"}),
+    (SPLIT[1][0], {"FLASHPORT_HOPPER_BWD_SPLIT": "1"}), (SPLIT[4][0], {"FLASHPORT_HOPPER_BWD_SPLIT": "1"})]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case, switches", DQ_FIRST, ids=str)
+def test_dq_first_conforms(case, switches, dtype, served, monkeypatch):
+    check_served_with({"FLASHPORT_HOPPER_BWD_DQ_FIRST": "1", **switches}, case.replace(dtype=dtype), served, monkeypatch)
+
+
 DECLINED = [
     Case(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, causal=True, deterministic=True),   # unordered dQ sums: never
     Case(b=1, sq=100, sk=256, hq=2, hkv=2, d=128),                   # shorter than one tile

@@ -44,7 +44,7 @@ c) fa4_env   # the fuzz with the new variants' switches on, so its Gluon regimes
 d) fa4_env; TRITON_N=${TRITON_N:-40} programmable_tier ${PROG_SECONDS:-500} ;;
 s) mkdir -p "$R/tier"
    timeout ${VARIANT_SECONDS:-270} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
-       tests/gpu/test_hopper_bwd_gpu.py tests/gpu/test_hopper_fwd_gpu.py -k "window or split or alibi or pin or pingpong" \
+       tests/gpu/test_hopper_bwd_gpu.py tests/gpu/test_hopper_fwd_gpu.py -k "window or split or alibi or pin or pingpong or dq_first" \
        > "$R/tier/variants.log" 2>&1
    echo "variants rc=$? $(grep -E '[0-9]+ (passed|failed)' "$R/tier/variants.log" | tail -1)"
    grep -E "^FAILED|Error" "$R/tier/variants.log" | cut -c1-240 | head -12; save

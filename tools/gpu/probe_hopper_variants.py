@@ -3,7 +3,8 @@ with its switch off, one process, bf16: sliding windows (FLASHPORT_HOPPER_FWD_WI
 PERFLOG rows 78, 79), the two-part head dims 80 and 96 (FLASHPORT_HOPPER_FWD_SPLIT, FLASHPORT_HOPPER_BWD_SPLIT;
 rows 81, 86), ALiBi in both directions (FLASHPORT_HOPPER_FWD_ALIBI, FLASHPORT_HOPPER_BWD_ALIBI; rows 82, 83) and
 the forward's wait for P V held after the softmax and its warpgroups' ping-pong (FLASHPORT_HOPPER_FWD_PIN,
-FLASHPORT_HOPPER_FWD_PINGPONG; rows 87, 88, the standard grid's cells).  Per
+FLASHPORT_HOPPER_FWD_PINGPONG; rows 87, 88, the standard grid's cells) and the backward's dQ-first order
+(FLASHPORT_HOPPER_BWD_DQ_FIRST; row 89).  Per
 case and setting: forward and backward milliseconds and TFLOP/s (visible pairs, FlashAttention's 2.5x convention
 for the backward), which kernels served, and the largest difference between each run's output and gradients and
 those of the first setting, relative to their scale.  Cases: issue [14]'s window 2048 over 16k (GQA 16/4),
@@ -30,7 +31,8 @@ ALIBI = (("triton", {}), ("gluon fwd", {"FLASHPORT_HOPPER_FWD_ALIBI": "1"}),
 PIN = (("gluon", {}), ("gluon pin", {"FLASHPORT_HOPPER_FWD_PIN": "1"}),
        ("gluon pingpong", {"FLASHPORT_HOPPER_FWD_PINGPONG": "1"}),
        ("gluon pin+pingpong", {"FLASHPORT_HOPPER_FWD_PIN": "1", "FLASHPORT_HOPPER_FWD_PINGPONG": "1"}))
-SWITCHES = ("FLASHPORT_HOPPER_FWD_PIN", "FLASHPORT_HOPPER_FWD_PINGPONG", "FLASHPORT_HOPPER_FWD_WINDOW", "FLASHPORT_HOPPER_BWD_WINDOW", "FLASHPORT_HOPPER_FWD_SPLIT",
+DQ_FIRST = (("gluon", {}), ("gluon dq first", {"FLASHPORT_HOPPER_BWD_DQ_FIRST": "1"}))
+SWITCHES = ("FLASHPORT_HOPPER_FWD_PIN", "FLASHPORT_HOPPER_FWD_PINGPONG", "FLASHPORT_HOPPER_BWD_DQ_FIRST", "FLASHPORT_HOPPER_FWD_WINDOW", "FLASHPORT_HOPPER_BWD_WINDOW", "FLASHPORT_HOPPER_FWD_SPLIT",
             "FLASHPORT_HOPPER_FWD_ALIBI", "FLASHPORT_HOPPER_BWD_ALIBI", "FLASHPORT_HOPPER_BWD_SPLIT")
 CASES = [   # name, B, S, Hq, Hkv, D, call keywords, settings
     ("pin: D=128, S=8k, H=16", 2, 8192, 16, 16, 128, {}, PIN),
@@ -38,6 +40,9 @@ CASES = [   # name, B, S, Hq, Hkv, D, call keywords, settings
     ("pin: D=128, S=2k, causal, GQA 32/8", 4, 2048, 32, 8, 128, dict(causal=True), PIN),
     ("pin: D=64, S=16k, H=16", 1, 16384, 16, 16, 64, {}, PIN),
     ("pin: D=256, S=4k, H=16", 2, 4096, 16, 16, 256, {}, PIN),
+    ("dq first: D=128, S=8k, H=16", 2, 8192, 16, 16, 128, {}, DQ_FIRST),
+    ("dq first: D=128, S=4k, causal, GQA 32/8", 2, 4096, 32, 8, 128, dict(causal=True), DQ_FIRST),
+    ("dq first: D=64, S=16k, H=16", 1, 16384, 16, 16, 64, {}, DQ_FIRST),
     ("window 2048 / 16k, GQA 16/4, D=128", 1, 16384, 16, 4, 128, dict(window_size=(2048, 0)), WINDOWS),
     ("window 4096 / 16k, GQA 32/8, D=128", 1, 16384, 32, 8, 128, dict(window_size=(4096, 0)), WINDOWS),
     ("window 2048 + 4 sinks, B=2, H=16, D=128", 2, 16384, 16, 16, 128, "sinks", WINDOWS),
