@@ -54,8 +54,8 @@ SWITCHES = {s.name: s for s in (
                                                  "their matmuls (FA3's ping-pong), where a key tile spans the Q tile "
                                                  "(off until a GPU run times it: PERFLOG row 88)"),
     Switch("FLASHPORT_HOPPER_BWD_DQ_FIRST", "0", "1: the Hopper backward issues dQ_j's matmul before dK's, so dK runs "
-                                                 "while dQ_j is stored (FA3's and FA4's order; off until a GPU run "
-                                                 "times it: PERFLOG row 89)"),
+                                                 "while dQ_j is stored, and dK reads dS from registers (FA3's and FA4's "
+                                                 "step; off until a GPU run times it: PERFLOG row 89)"),
     Switch("FLASHPORT_HOPPER_FWD_WINDOW", "0", "1: the Hopper forward serves sliding windows (Sq == Sk; key tiles "
                                                "outside the band skipped), which the Triton kernel serves otherwise "
                                                "(off until a GPU run checks and times it: PERFLOG row 79)"),

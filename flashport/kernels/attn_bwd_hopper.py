@@ -367,12 +367,14 @@ if gluon is not None:
         dq_zero = gl.zeros([_BLOCK_M, DQ_COLS], gl.float32, dq_layout)
         if DQ_FIRST:
             # FA3's and FA4's order: dQ_j issued before dK, so dK's matmul runs while dQ_j goes to shared memory
-            # below (retire order: dV, dQ, then dK at the step's end)
+            # below (retire order: dV, dQ, then dK at the step's end); dK reads dS^T from registers (their
+            # Mma_dKV_is_RS: no shared-memory reads of this warpgroup's half, and fewer spills at D=128)
             mbarrier.wait(ds_ready.index(slot), (i // 2) & 1)
             dq_tok = warpgroup_mma(ds_buf.permute((1, 0)), k_half, dq_zero, use_acc=False, is_async=True)
-            dk_tok = warpgroup_mma(ds_wg, q_s, dk, is_async=True)
+            dk_tok = warpgroup_mma(gl.convert_layout(ds_t, p_layout), q_s, dk, is_async=True)
             if SPLIT:
-                dk1_tok = warpgroup_mma(ds_wg, q1_s, dk1, is_async=True)
+                ds1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dk1.type.layout, k_width=2)
+                dk1_tok = warpgroup_mma(gl.convert_layout(ds_t, ds1_layout), q1_s, dk1, is_async=True)
                 dv, dv1 = warpgroup_mma_wait(3, deps=[dv_tok, dv1_tok])
                 dq = warpgroup_mma_wait(2, deps=[dq_tok])
             else:
