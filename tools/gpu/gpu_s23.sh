@@ -13,7 +13,7 @@
 #   PART=e: tools/gpu/hopper_fwd_ab.py at D = 80, 96 (row 81's length floors, a deeper ring, outputs vs Triton/cuDNN)
 #   PART=s: one call where the device budget allows only one (no FA4): the GPU-tier tests of the variants behind
 #          switches only (window, split, ALiBi, pin, ping-pong, dQ first; bf16), their timings
-#          (probe_hopper_variants.py), then the fuzz tier with the correctness switches on, until the call's 600 s
+#          (probe_hopper_variants.py), then the fuzz tier with every switch on, until the call's 600 s
 # Call a carries .fa4a (48 MiB), and the working tree (~17 MiB, results/ ~15 of it) with it passes the device's
 # 64 MiB: move results/ out of the tree for that call and back after (the 22nd session did), e.g.
 #   mv results /tmp/results_hold  ...  mv /tmp/results_hold results
@@ -51,7 +51,8 @@ s) mkdir -p "$R/tier"
    timeout ${PROBE_SECONDS:-230} python tools/gpu/probe_hopper_variants.py --out "$R/probe_hopper_variants.jsonl" 2>&1 \
        | grep -v "Warning\|warn(" | tail -30; save
    FUZZ_N=${FUZZ_N:-80} FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW=1 FLASHPORT_HOPPER_FWD_SPLIT=1 \
-       FLASHPORT_HOPPER_FWD_ALIBI=1 FLASHPORT_HOPPER_BWD_ALIBI=1 FLASHPORT_HOPPER_BWD_SPLIT=1 tier fuzz:${FUZZ_SECONDS:-70}
+       FLASHPORT_HOPPER_FWD_ALIBI=1 FLASHPORT_HOPPER_BWD_ALIBI=1 FLASHPORT_HOPPER_BWD_SPLIT=1 FLASHPORT_HOPPER_FWD_PIN=1 \
+       FLASHPORT_HOPPER_FWD_PINGPONG=1 FLASHPORT_HOPPER_BWD_DQ_FIRST=1 tier fuzz:${FUZZ_SECONDS:-70}
    grep -E "PASS|FAIL|hits|gluon" "$R/tier/fuzz.log" | cut -c1-200 | tail -12 ;;
 esac
 save; ls -la "$OUT"
