@@ -43,16 +43,16 @@ c) fa4_env   # the fuzz with the new variants' switches on, so its Gluon regimes
        FLASHPORT_HOPPER_BWD_ALIBI=1 FLASHPORT_HOPPER_BWD_SPLIT=1 tier fuzz:200 ;;
 d) fa4_env; TRITON_N=${TRITON_N:-40} programmable_tier ${PROG_SECONDS:-500} ;;
 s) mkdir -p "$R/tier"
-   timeout ${VARIANT_SECONDS:-270} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
+   timeout ${VARIANT_SECONDS:-230} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
        tests/gpu/test_hopper_bwd_gpu.py tests/gpu/test_hopper_fwd_gpu.py -k "(window or split or alibi or pin or pingpong or dq_first) and not torch.float16" \
        > "$R/tier/variants.log" 2>&1
    echo "variants rc=$? $(grep -E '[0-9]+ (passed|failed)' "$R/tier/variants.log" | tail -1)"
    grep -E "^FAILED|Error" "$R/tier/variants.log" | cut -c1-240 | head -12; save
-   timeout ${PROBE_SECONDS:-230} python tools/gpu/probe_hopper_variants.py --out "$R/probe_hopper_variants.jsonl" 2>&1 \
+   timeout ${PROBE_SECONDS:-200} python tools/gpu/probe_hopper_variants.py --out "$R/probe_hopper_variants.jsonl" 2>&1 \
        | grep -v "Warning\|warn(" | tail -30; save
    FUZZ_N=${FUZZ_N:-80} FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW=1 FLASHPORT_HOPPER_FWD_SPLIT=1 \
        FLASHPORT_HOPPER_FWD_ALIBI=1 FLASHPORT_HOPPER_BWD_ALIBI=1 FLASHPORT_HOPPER_BWD_SPLIT=1 FLASHPORT_HOPPER_FWD_PIN=1 \
-       FLASHPORT_HOPPER_FWD_PINGPONG=1 FLASHPORT_HOPPER_BWD_DQ_FIRST=1 tier fuzz:${FUZZ_SECONDS:-70}
+       FLASHPORT_HOPPER_FWD_PINGPONG=1 FLASHPORT_HOPPER_BWD_DQ_FIRST=1 tier fuzz:${FUZZ_SECONDS:-60}
    grep -E "PASS|FAIL|hits|gluon" "$R/tier/fuzz.log" | cut -c1-200 | tail -12 ;;
 esac
 save; ls -la "$OUT"
