@@ -12,7 +12,10 @@ itself.  One program per (128-row Q tile, query head, batch entry), three warp r
 * two consumer warpgroups (4 warps, CONSUMER_REGS registers each) own 64 query rows apiece.  Per key
   tile j they issue S_j = Q K_j^T, then acc += P_{j-1} V_{j-1}, wait for S_j only, run the softmax of
   S_j on the CUDA cores while the P V matmul is still on the tensor cores, then wait for it (FA3's
-  intra-warpgroup overlap; the two warpgroups also interleave).
+  intra-warpgroup overlap; the two warpgroups also interleave).  In the SASS that overlap holds only with PIN
+  (FLASHPORT_HOPPER_FWD_PIN=1, until timed): ptxas otherwise hoists the wait for P V ahead of the exp2
+  (_overlap_step says how the pin keeps it).  PINGPONG (FLASHPORT_HOPPER_FWD_PINGPONG=1, until timed) makes the
+  warpgroups take turns issuing their matmuls, FA3's ping-pong (_take_turn).
 
 Head dims 64, 128 and 256 (q/k and v alike) share this one kernel, and 80 and 96 as two power-of-two column
 parts (SPLIT; Gluon's tensors must be powers of two); TILES picks BLOCK_N (keys per tile) and the ring depth per
