@@ -24,6 +24,8 @@ One program per (128-row K/V tile n, query head h, batch entry b); grid (Sk / 12
       producer (_drain_dq).
   ds is double-buffered: a warpgroup rewrites ds[i % 2] at step i + 2 only after waiting on ds_ready of
   step i + 1, which the other warpgroup signals after its dQ matmul of step i (the last reader) retired.
+  DQ_FIRST (FLASHPORT_HOPPER_BWD_DQ_FIRST=1, until timed): FA3's and FA4's step end instead -- after ds_ready,
+  dQ_j is issued before dK (which reads dS^T from registers), and dK runs while dQ_j is stored.
 Causal (Sq == Sk): K/V tile n meets Q tiles 2n, 2n + 1 (masked) and the unmasked ones after; lower n
 has more work, so programs start with n = 0.  Sliding windows (WINDOW, behind FLASHPORT_HOPPER_BWD_WINDOW=1
 until a GPU run checks them; Sq == Sk): K/V tile n walks only the Q tiles whose rows see one of its keys
