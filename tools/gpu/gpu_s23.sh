@@ -13,7 +13,7 @@
 #   PART=e: tools/gpu/hopper_fwd_ab.py at D = 80, 96 (row 81's length floors, a deeper ring, outputs vs Triton/cuDNN)
 #   PART=s: one call where the device budget allows only one (no FA4): the GPU-tier tests of the variants behind
 #          switches only (window, split, ALiBi, pin, ping-pong, dQ first; bf16), their timings
-#          (probe_hopper_variants.py), then the fuzz tier with every switch on, until the call's 600 s
+#          (probe_hopper_variants.py), then the fuzz tier with every switch on (~450 s in all)
 # Call a carries .fa4a (48 MiB), and the working tree (~17 MiB, results/ ~15 of it) with it passes the device's
 # 64 MiB: move results/ out of the tree for that call and back after (the 22nd session did), e.g.
 #   mv results /tmp/results_hold  ...  mv /tmp/results_hold results
@@ -43,16 +43,16 @@ c) fa4_env   # the fuzz with the new variants' switches on, so its Gluon regimes
        FLASHPORT_HOPPER_BWD_ALIBI=1 FLASHPORT_HOPPER_BWD_SPLIT=1 tier fuzz:200 ;;
 d) fa4_env; TRITON_N=${TRITON_N:-40} programmable_tier ${PROG_SECONDS:-500} ;;
 s) mkdir -p "$R/tier"
-   timeout ${VARIANT_SECONDS:-230} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
+   timeout ${VARIANT_SECONDS:-200} python -m pytest -q -s -p no:cacheprovider -p no:logging --tb=short -rfE \
        tests/gpu/test_hopper_bwd_gpu.py tests/gpu/test_hopper_fwd_gpu.py -k "(window or split or alibi or pin or pingpong or dq_first) and not torch.float16" \
        > "$R/tier/variants.log" 2>&1
    echo "variants rc=$? $(grep -E '[0-9]+ (passed|failed)' "$R/tier/variants.log" | tail -1)"
    grep -E "^FAILED|Error" "$R/tier/variants.log" | cut -c1-240 | head -12; save
-   timeout ${PROBE_SECONDS:-200} python tools/gpu/probe_hopper_variants.py --out "$R/probe_hopper_variants.jsonl" 2>&1 \
+   timeout ${PROBE_SECONDS:-190} python tools/gpu/probe_hopper_variants.py --out "$R/probe_hopper_variants.jsonl" 2>&1 \
        | grep -v "Warning\|warn(" | tail -30; save
    FUZZ_N=${FUZZ_N:-80} FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW=1 FLASHPORT_HOPPER_FWD_SPLIT=1 \
        FLASHPORT_HOPPER_FWD_ALIBI=1 FLASHPORT_HOPPER_BWD_ALIBI=1 FLASHPORT_HOPPER_BWD_SPLIT=1 FLASHPORT_HOPPER_FWD_PIN=1 \
-       FLASHPORT_HOPPER_FWD_PINGPONG=1 FLASHPORT_HOPPER_BWD_DQ_FIRST=1 tier fuzz:${FUZZ_SECONDS:-60}
+       FLASHPORT_HOPPER_FWD_PINGPONG=1 FLASHPORT_HOPPER_BWD_DQ_FIRST=1 tier fuzz:${FUZZ_SECONDS:-50}
    grep -E "PASS|FAIL|hits|gluon" "$R/tier/fuzz.log" | cut -c1-200 | tail -12 ;;
 esac
 save; ls -la "$OUT"
