@@ -117,3 +117,29 @@ def test_sdpa_capabilities_are_honest():
     for feature in ("paged_kvcache", "dropout", "alibi", "softcap", "lse"):
         assert caps[feature] is False
     assert caps["bwd"] is True and "window" not in caps["mask_kinds"]
+
+
+def test_flash_kernel_refuses_a_zero_scale_on_cuda():
+    """softmax_scale = 0 is refused wherever PyTorch's FlashAttention-2 kernel may run it (it returned non-finite
+    outputs on an H100: the GPU fuzz's seed 0 case 33); cuDNN and the efficient kernel alone still serve it, and a
+    nonzero scale reaches the probe as before (stubbed here: no CUDA on this machine)."""
+    import dataclasses
+
+    from flashport.backend import sdpa
+    spec = dataclasses.replace(_spec(softmax_scale=0.0), device=torch.device("cuda", 0))
+    probed = []
+    original = sdpa._probe_cuda
+    sdpa._probe_cuda = lambda *a: probed.append(a) or (("cudnn", "flash", "efficient"), ())
+    try:
+        for kernels, refused in ((("flash",), True), (sdpa._FUSED, True), (("cudnn",), False),
+                                 (("efficient",), False)):
+            b = SdpaBackend()
+            b.kernels = kernels
+            why = b._cuda_reasons(spec, "fwd")
+            assert (bool(why) and "softmax_scale = 0" in why[0]) == refused, (kernels, why)
+        b = SdpaBackend()
+        b.kernels = ("flash",)
+        assert b._cuda_reasons(dataclasses.replace(spec, softmax_scale=0.125), "fwd") == []
+    finally:
+        sdpa._probe_cuda = original
+    assert probed

@@ -175,6 +175,9 @@ class SdpaBackend(dispatch.Backend):
             return ["float64 on CUDA: no fused SDPA kernel (only the materialising MATH one)"]
         if role == "bwd" and spec.deterministic:
             return ["deterministic backward on CUDA: fused SDPA backward is not bitwise reproducible"]
+        if spec.softmax_scale == 0 and "flash" in self.kernels:
+            return ["softmax_scale = 0: PyTorch's FlashAttention-2 kernel returned non-finite outputs for it (H100, "
+                    "torch 2.11; the GPU fuzz's seed 0 case 33: bf16, Sq 49, Sk 1, D 96)"]
         usable, why = _probe_cuda(spec.device, spec.dtype, spec.heads_q, spec.heads_kv, spec.head_dim,
                                   spec.head_dim_v, spec.seqlen_q, spec.seqlen_k, _causal_kind(spec),
                                   spec.needs_grad)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 
 import torch
 
@@ -61,14 +62,24 @@ def visible_pairs(s, left, right):
     return sum(min(i + right, s - 1) - max(i - left, 0) + 1 for i in range(s))
 
 
+def _set(switches: dict) -> None:
+    for name in SWITCHES:
+        os.environ[name] = switches.get(name, "0")
+    dispatch.clear_cache()   # (the switches are in the memo's key too; a plan is never carried over)
+
+
 def main():
     os.environ["FLASHPORT_TABLE"] = "off"   # static priority: the new variants first where their switches allow
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", required=True)
+    ap.add_argument("--rounds", type=int, default=3, help="timing rounds per case (settings in alternating order)")
+    ap.add_argument("--only", nargs="*", default=None, help="cases whose name contains one of these (default: all)")
     args = ap.parse_args()
     with open(args.out, "w") as out:
         out.write(json.dumps({"card": torch.cuda.get_device_name()}) + "\n")
         for name, b, s, hq, hkv, d, kw, settings in CASES:
+            if args.only and not any(part in name for part in args.only):
+                continue
             g = torch.Generator(device="cuda").manual_seed(0)
             q = torch.randn(b, s, hq, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
             k, v = (torch.randn(b, s, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
@@ -84,31 +95,39 @@ def main():
             flops = 4 * b * hq * d * visible_pairs(s, left, right)
             fn = lambda: flashport.attention(q, k, v, **call)                                   # noqa: E731
             step = lambda: torch.autograd.grad(fn(), (q, k, v), do)                             # noqa: E731
-            results = {}
+            results, rows = {}, {}
             first = settings[0][0]
-            for label, switches in settings:
-                for name_ in SWITCHES:
-                    os.environ[name_] = switches.get(name_, "0")
-                dispatch.clear_cache()   # (the switches are in the memo's key too; a plan is never carried over)
+            for label, switches in settings:   # compile, check against the first setting, note who served
+                _set(switches)
                 try:
                     flashport.reset_stats()
                     o = fn()
                     results[label] = (o.detach(), *torch.autograd.grad(o, (q, k, v), do))
                     served = {n: (c["forward"], c["backward"]) for n, c in flashport.stats().items()
                               if c["forward"] or c["backward"]}
-                    f_ms = gpu_ms(fn)
-                    b_ms = gpu_ms(step) - f_ms
-                    row = dict(case=name, run=label, fwd_ms=f_ms, bwd_ms=b_ms, fwd_tflops=flops / f_ms / 1e9,
-                               bwd_tflops=2.5 * flops / b_ms / 1e9, served=str(served))
+                    rows[label] = dict(case=name, run=label, served=str(served), fwd_ms=[], bwd_ms=[])
                     if label != first and first in results:
-                        row["relative_max_difference"] = max(
+                        rows[label]["relative_max_difference"] = max(
                             float((a.float() - c.float()).abs().max() / c.float().abs().max().clamp_min(1e-6))
                             for a, c in zip(results[label], results[first]))
                 except Exception as e:  # noqa: BLE001 - reported, the next run goes on
-                    row = dict(case=name, run=label, error=f"{type(e).__name__}: {e}"[:400])
+                    out.write(json.dumps(dict(case=name, run=label, error=f"{type(e).__name__}: {e}"[:400])) + "\n")
+            # Timed in rounds that alternate the settings' order (A B C, C B A, ...): a card that slows as it
+            # warms (the 23rd session's H100 read the same kernel 695 and 629 TFLOP/s minutes apart) then biases
+            # no setting; the median of the rounds is reported.
+            for r in range(args.rounds):
+                for label in (list(rows) if r % 2 == 0 else list(rows)[::-1]):
+                    _set(dict(settings)[label])
+                    f_ms = gpu_ms(fn)
+                    rows[label]["fwd_ms"].append(f_ms)
+                    rows[label]["bwd_ms"].append(gpu_ms(step) - f_ms)
+            for row in rows.values():
+                f_ms, b_ms = statistics.median(row["fwd_ms"]), statistics.median(row["bwd_ms"])
+                row.update(fwd_tflops=flops / f_ms / 1e9, bwd_tflops=2.5 * flops / b_ms / 1e9)
                 out.write(json.dumps(row) + "\n")
                 out.flush()
-                print(row, flush=True)
+                print({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()
+                       if k not in ("fwd_ms", "bwd_ms")}, flush=True)
             for name_ in SWITCHES:
                 os.environ.pop(name_, None)
 
