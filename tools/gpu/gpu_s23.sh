@@ -17,7 +17,7 @@
 # Call a carries .fa4a (48 MiB), and the working tree (~17 MiB, results/ ~15 of it) with it passes the device's
 # 64 MiB: move results/ out of the tree for that call and back after (the 22nd session did), e.g.
 #   mv results /tmp/results_hold  ...  mv /tmp/results_hold results
-SESSION=s23; . "$(dirname "$0")/session.sh"
+SESSION=${SESSION:-s23}; . "$(dirname "$0")/session.sh"
 case "$PART" in
 a)
   fa4_step1
