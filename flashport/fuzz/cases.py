@@ -42,7 +42,7 @@ DTYPE_NAMES = ("bfloat16", "float16", "float32")
 HOPPER_FWD_TILE = 128
 HOPPER_FWD_MIN_KEYS = {64: 16384, 80: 512, 96: 512, 128: 512, 256: 512}   # D=64 starts past the length bound
 HOPPER_BWD_BLOCK_N = 128
-HOPPER_BWD_DIMS = (64, 128)
+HOPPER_BWD_DIMS = (64, 80, 96, 128)
 
 
 @dataclass
