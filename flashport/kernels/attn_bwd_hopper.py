@@ -57,8 +57,8 @@ import torch
 import torch.nn.functional as F
 import triton
 
-from .attn_fwd_hopper import (_capability, _descriptor, alibi_args, feature_reasons,  # shared with the forward
-                              variant_key, window_bounds)
+from .attn_fwd_hopper import (TILES, _capability, _descriptor, alibi_args,  # shared with the forward
+                              feature_reasons, variant_key, window_bounds)
 from .. import env
 from .launch import DirectLauncher
 from .versions import is_tested, tested_text
@@ -93,12 +93,12 @@ class Tiles(NamedTuple):
 VARIANTS = {"s2_tma_lse": Tiles(2, 1), "s2_tma2_lse": Tiles(2, 2, (64, 80, 96, 128)),
             "s3_tma2_lse": Tiles(3, 2, (64, 80))}   # D=128: 258 KiB of shared memory
 DEFAULT = {128: "s2_tma2_lse", 64: "s2_tma_lse", 80: "s2_tma2_lse", 96: "s2_tma2_lse"}   # per head dim
-# Head dims that are not a power of two (ViT / DiT heads) run as two column parts, 64 + SPLIT[D], each a power of
-# two as Gluon's tensors must be (the forward's Tiles.split): S^T and dP^T sum the parts' products (chained wgmma),
-# dK and dV keep an accumulator per part, and warpgroup 0 computes dQ_j's first part, warpgroup 1 its second.
-# Shared memory at D=96: K, V 48 KiB + 2 stages of Q, dO 48 + dS 32 + 2 dQ buffers 48 = 176 KiB.  Behind
-# FLASHPORT_HOPPER_BWD_SPLIT=1 until a GPU run checks them (PERFLOG row 86).
-SPLIT = {80: 16, 96: 32}
+# Head dims that are not a power of two (ViT / DiT heads) run as two column parts, D - SPLIT[D] and SPLIT[D], each a
+# power of two as Gluon's tensors must be: the forward's parts (its Tiles.split), so both directions read one table.
+# S^T and dP^T sum the parts' products (chained wgmma), dK and dV keep an accumulator per part, and warpgroup 0
+# computes dQ_j's first part, warpgroup 1 its second.  Shared memory at D=96: K, V 48 KiB + 2 stages of Q, dO 48 +
+# dS 32 + 2 dQ buffers 48 = 176 KiB.  Behind FLASHPORT_HOPPER_BWD_SPLIT=1 until a GPU run checks them (PERFLOG row 86).
+SPLIT = {d: t.split for d, t in TILES.items() if t.split}
 
 
 def enabled() -> bool:

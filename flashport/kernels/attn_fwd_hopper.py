@@ -563,10 +563,12 @@ if gluon is not None:
             pin = gl.allocate_shared_memory(gl.float32, [2 * _BLOCK_M], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
         else:
             pin = q_smem   # unused
-        turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())   # PINGPONG: _take_turn
-        if PINGPONG:
+        if PINGPONG:   # _take_turn: turn[WG] completes a phase per arrival of the other warpgroup
+            turn = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
             for i in gl.static_range(2):
-                mbarrier.init(turn.index(i), count=1)   # the other warpgroup's arrival
+                mbarrier.init(turn.index(i), count=1)
+        else:
+            turn = v_empty   # unused
         mbarrier.init(q_ready, count=1)
         for i in gl.static_range(STAGES):
             mbarrier.init(k_ready.index(i), count=1)
