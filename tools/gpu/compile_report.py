@@ -75,11 +75,8 @@ def report(kernel) -> dict:
         res = subprocess.run([str(CUOBJDUMP), "-res-usage", str(cubin)], capture_output=True, text=True).stdout
         sass = subprocess.run([str(CUOBJDUMP), "-sass", str(cubin)], capture_output=True, text=True).stdout
     usage = dict(re.findall(r"(REG|STACK|SHARED|LOCAL):(\d+)", res))
-    ops = Counter()
-    for line in sass.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)", line)
-        if m:
-            ops[m.group(1)] += 1
+    instructions = sass_instructions(sass)
+    ops = Counter(op for op, _ in instructions)
     counts = {op: sum(n for name, n in ops.items() if name == op or name.startswith(op + ".")) for op in SASS_OPS}
     gmma = sorted({name for name in ops if name.startswith("HGMMA")})
     # Registers a warp really touches: with setmaxnreg (warp-specialized kernels) REG is only the launch
@@ -89,19 +86,20 @@ def report(kernel) -> dict:
             "local_bytes": int(usage.get("LOCAL", 0)), "shared_bytes": kernel.metadata.shared,
             "max_register_used": live,
             "sass": counts, "hgmma_shapes": gmma, "sass_ops": dict(sorted(ops.items())),
-            "ex2_between_waits": ex2_between_waits(sass)}
+            "ex2_between_waits": ex2_between_waits(instructions)}
 
 
-def ex2_between_waits(sass: str) -> list:
+def sass_instructions(sass: str) -> list:
+    """(opcode, operands) of each instruction of a cuobjdump -sass listing, in program order (predicates dropped)."""
+    return re.findall(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;\n]*);", sass)
+
+
+def ex2_between_waits(instructions: list) -> list:
     """MUFU.EX2 between each partial wgmma wait (WARPGROUP.DEPBAR.LE gsb0, 0x1 or more: S_j retired, P V still
     running) and the full wait that follows it (0x0): the softmax work the Gluon forward overlaps with its P V
     matmul (PERFLOG row 87).  One count per such pair, in program order."""
     counts, open_ = [], None
-    for line in sass.splitlines():
-        m = re.search(r"/\*[0-9a-f]{4,}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Za-z0-9_.]*)([^;]*);", line)
-        if not m:
-            continue
-        op, rest = m.groups()
+    for op, rest in instructions:
         if op.startswith("WARPGROUP.DEPBAR"):
             if rest.strip().endswith("0x0"):
                 if open_ is not None:
