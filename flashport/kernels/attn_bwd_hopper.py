@@ -85,13 +85,18 @@ class Tiles(NamedTuple):
     stages: int                 # depth of the Q / dO ring
     dq_bufs: int                # dQ_j buffers in shared memory (2: stores of dQ_j overlap the drain of dQ_{j-1})
     head_dims: tuple = (64, 128)   # where it fits: shared memory (sm_90's 227 KiB) and no spills (compile report)
+    block_m: int = BLOCK_M      # query rows per Q tile: 128 halves the steps (and their fixed costs) per K/V tile
 
 
 # Variants: the ring's depth and the number of dQ_j buffers.  The schedule (dQ by the producer's TMA reduce-adds,
 # lse2 / Delta staged by it) is the one that won the probe's D=128 runs (PERFLOG rows 19-22); DEFAULT is the
 # fastest variant per head dim (rows 22 and 25).
 VARIANTS = {"s2_tma_lse": Tiles(2, 1), "s2_tma2_lse": Tiles(2, 2, (64, 80, 96, 128)),
-            "s3_tma2_lse": Tiles(3, 2, (64, 80))}   # D=128: 258 KiB of shared memory
+            "s3_tma2_lse": Tiles(3, 2, (64, 80)),   # D=128: 258 KiB of shared memory
+            # FA3's and FA4's D=64 tile: 128 query rows per step, so S^T and dP^T are [64 kv, 128 q] per warpgroup
+            # (64 + 64 float32 registers) and each step's barriers, lse2 / Delta rows and dQ reduce-adds serve
+            # twice the matmul work.  K, V 32 KiB + 2 stages of Q, dO 64 + dS 64 + one dQ buffer 32 = 192 KiB.
+            "m128_s2": Tiles(2, 1, (64,), 128)}
 DEFAULT = {128: "s2_tma2_lse", 64: "s2_tma_lse", 80: "s2_tma2_lse", 96: "s2_tma2_lse"}   # per head dim
 # Head dims that are not a power of two (ViT / DiT heads) run as two column parts, D - SPLIT[D] and SPLIT[D], each a
 # power of two as Gluon's tensors must be: the forward's parts (its Tiles.split), so both directions read one table.
@@ -164,26 +169,26 @@ if gluon is not None:
         _semantic.builder.create_async_tma_reduce(ir.DESCRIPTOR_REDUCE_KIND.ADD, tensor_desc.handle, coord,
                                                   src.handle)
 
-    _BLOCK_M, _BLOCK_N, _LOG2E = gl.constexpr(BLOCK_M), gl.constexpr(BLOCK_N), gl.constexpr(LOG2E)
+    _BLOCK_N, _LOG2E = gl.constexpr(BLOCK_N), gl.constexpr(LOG2E)
     _WG_N, _CONSUMER_REGS = gl.constexpr(WG_N), gl.constexpr(CONSUMER_REGS)
     # The ring's depth and the (first) column part's width D0 travel in the shapes (q_smem: [STAGES, BLOCK_M, D0]),
     # so every partition reads them off its shared-memory descriptors; the whole head dim is the HEAD_DIM constexpr.
 
     @gluon.jit
     def _q_tiles(seqlen_q, win_left, win_right, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
-                 RAGGED: gl.constexpr):
+                 RAGGED: gl.constexpr, BLOCK_M: gl.constexpr):
         """(first Q tile, number of Q tiles) of this program's K/V tile: the Q tiles with a row that sees one of
         its keys (Sq == Sk for CAUSAL and WINDOW: key kv is seen by rows kv - win_right .. kv + win_left)."""
         j0 = 0
         if CAUSAL:
-            j0 = gl.program_id(0) * (_BLOCK_N // _BLOCK_M)   # Sq == Sk: the diagonal's first Q tile
-        n_tiles = seqlen_q // _BLOCK_M
+            j0 = gl.program_id(0) * (_BLOCK_N // BLOCK_M)   # Sq == Sk: the diagonal's first Q tile
+        n_tiles = seqlen_q // BLOCK_M
         if RAGGED:
-            n_tiles = (seqlen_q + _BLOCK_M - 1) // _BLOCK_M
+            n_tiles = (seqlen_q + BLOCK_M - 1) // BLOCK_M
         if WINDOW:
             n0 = gl.program_id(0) * _BLOCK_N
-            j0 = gl.maximum(n0 - win_right, 0) // _BLOCK_M
-            n_tiles = gl.minimum((n0 + _BLOCK_N - 1 + win_left) // _BLOCK_M + 1, n_tiles)
+            j0 = gl.maximum(n0 - win_right, 0) // BLOCK_M
+            n_tiles = gl.minimum((n0 + _BLOCK_N - 1 + win_left) // BLOCK_M + 1, n_tiles)
         return j0, n_tiles - j0
 
     @gluon.jit
@@ -218,7 +223,7 @@ if gluon is not None:
         # columns [WG D / 2, (WG + 1) D / 2) of head h.  The consumers fenced their stores for the async proxy; store_wait(0)
         # returns once the copy engine has read both halves (not once the adds landed: only the kernel's end
         # orders those, and nothing reads dq_accum before it).
-        row = q_row0 + t * _BLOCK_M
+        row = q_row0 + t * dq_smem.shape[1]
         if SPLIT:
             _tma_reduce_add(dq_desc, [row, h * HEAD_DIM], dq_smem.index(u))
             _tma_reduce_add(dq1_desc, [row, h * HEAD_DIM + dq_smem.shape[2]], dq1_smem.index(u))
@@ -241,6 +246,7 @@ if gluon is not None:
         next loads are issued without waiting for the drain of the previous tile.  SPLIT: every tile in two column
         parts (k_smem / k1_smem ...: head columns [0, D0) and [D0, HEAD_DIM)), both on the tile's barrier."""
         STAGES: gl.constexpr = q_smem.shape[0]
+        BLOCK_M: gl.constexpr = q_smem.shape[1]
         D0: gl.constexpr = q_smem.shape[2]
         pid_bh = gl.program_id(1)
         b = pid_bh // HEADS_Q
@@ -255,20 +261,20 @@ if gluon is not None:
             mbarrier.expect(kv_ready, 2 * k_desc.block_type.nbytes)
         tma.async_copy_global_to_shared(k_desc, [kv_row, kv_col], kv_ready, k_smem)
         tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready, v_smem)
-        j0, n_iter = _q_tiles(seqlen_q, win_left, win_right, CAUSAL, WINDOW, RAGGED)
-        q_row = b * seqlen_q + j0 * _BLOCK_M
+        j0, n_iter = _q_tiles(seqlen_q, win_left, win_right, CAUSAL, WINDOW, RAGGED, BLOCK_M)
+        q_row = b * seqlen_q + j0 * BLOCK_M
         stats_row = pid_bh.to(gl.int64) * _stats_len(seqlen_q, RAGGED)
         vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
         for i in range(n_iter):
             s = i % STAGES
             # First lap: a fresh barrier's parity 1 counts as completed, so the ring starts empty.
             mbarrier.wait(qdo_empty.index(s), ((i // STAGES) & 1) ^ 1)
-            _load(q_desc, q1_desc, q_ready.index(s), q_smem.index(s), q1_smem.index(s), q_row + i * _BLOCK_M,
+            _load(q_desc, q1_desc, q_ready.index(s), q_smem.index(s), q1_smem.index(s), q_row + i * BLOCK_M,
                   h * HEAD_DIM, D0, SPLIT)
-            _load(do_desc, do1_desc, do_ready.index(s), do_smem.index(s), do1_smem.index(s), q_row + i * _BLOCK_M,
+            _load(do_desc, do1_desc, do_ready.index(s), do_smem.index(s), do1_smem.index(s), q_row + i * BLOCK_M,
                   h * HEAD_DIM, D0, SPLIT)
             # lse2 / Delta after both copies are issued, so that these loads' latency delays neither
-            rows = (j0 + i) * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=vec_layout)
+            rows = (j0 + i) * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
             stat_smem.index(s).store(gl.load(lse_ptr + stats_row + rows))
             # Delta times softmax_scale: the form dS = P * (dP * scale - Delta * scale) uses
             delta = gl.load(delta_ptr + stats_row + rows) * sm_scale
@@ -292,8 +298,9 @@ if gluon is not None:
         dq1_smem (WG 1); without SPLIT dk1 / dv1 come back as they came."""
         dtype: gl.constexpr = q_smem.dtype
         STAGES: gl.constexpr = q_smem.shape[0]
+        BLOCK_M: gl.constexpr = q_smem.shape[1]
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _BLOCK_M, 16])
+                                                           instr_shape=[16, BLOCK_M, 16])
         DQ_COLS: gl.constexpr = k_half.shape[1]   # this warpgroup's part of dQ_j
         dq_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                             instr_shape=[16, DQ_COLS, 16])
@@ -304,13 +311,14 @@ if gluon is not None:
         do_s = do_smem.index(s)
         q1_s = q1_smem.index(s)
         do1_s = do1_smem.index(s)
-        cols = j * _BLOCK_M + gl.arange(0, _BLOCK_M, layout=col_s)    # query rows = columns of S^T
-        zero = gl.zeros([_WG_N, _BLOCK_M], gl.float32, s_layout)
+        cols = j * BLOCK_M + gl.arange(0, BLOCK_M, layout=col_s)    # query rows = columns of S^T
+        zero = gl.zeros([_WG_N, BLOCK_M], gl.float32, s_layout)
 
         mbarrier.wait(q_ready.index(s), (i // STAGES) & 1)
         # lse2_j: the producer's copy (complete with this q_ready phase), read in the layout it is used in, and
         # before the matmuls are issued: their operand reads would queue up ahead of it in shared memory.
-        lse2 = stat_smem.index(s).load(col_s)
+        if BLOCK_M == 64:
+            lse2 = stat_smem.index(s).load(col_s)
         s_tok = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         if SPLIT:
             s_tok = warpgroup_mma(k1_wg, q1_s.permute((1, 0)), s_tok, is_async=True)
@@ -322,16 +330,17 @@ if gluon is not None:
         else:
             s_t = warpgroup_mma_wait(1, deps=[s_tok])             # dP^T keeps running
         # Causal diagonal (MASK): key kv visible to query row q iff kv <= q, masked at run time on the
-        # program's first two Q tiles (one loop body: fewer registers for ptxas than a peeled loop).
+        # program's first Q tiles, the ones its diagonal crosses (one loop body: fewer registers for ptxas than a
+        # peeled loop).
         if MASK:
-            if i < 2:
+            if i < _BLOCK_N // BLOCK_M:
                 s_t = gl.where(cols[None, :] >= kv_rows[:, None], s_t, float("-inf"))
         # Window (Sq == Sk): key kv visible to row q iff q - win_left <= kv <= q + win_right, masked at run time
         # only on the tiles that cross the band's edges for this warpgroup's 64 keys.
         if WINDOW:
-            q0 = j * _BLOCK_M
+            q0 = j * BLOCK_M
             kv0 = gl.program_id(0) * _BLOCK_N + WG * _WG_N
-            if (kv0 + win_left < q0 + _BLOCK_M - 1) | (kv0 + _WG_N - 1 > q0 + win_right):
+            if (kv0 + win_left < q0 + BLOCK_M - 1) | (kv0 + _WG_N - 1 > q0 + win_right):
                 seen = (kv_rows[:, None] + win_left >= cols[None, :]) & (kv_rows[:, None] <= cols[None, :] + win_right)
                 s_t = gl.where(seen, s_t, float("-inf"))
         # Ragged Sk: rows of this K/V tile past Sk (the next batch entry's keys, or TMA's zero fill) get P = 0,
@@ -339,6 +348,8 @@ if gluon is not None:
         if RAGGED:
             if (gl.program_id(0) + 1) * _BLOCK_N > seqlen_k:
                 s_t = gl.where(kv_rows[:, None] < seqlen_k, s_t, float("-inf"))
+        if BLOCK_M != 64:   # 32 registers per row vector at 128 columns: held only from here
+            lse2 = stat_smem.index(s).load(col_s)
         if ALIBI:   # kernels/common.transform_log2's bias, as the forward that wrote lse2 added it.  (Split into a
             # row and a column term under causal, it would subtract two values of ~slope * S: 0.07% error in P at 16k.)
             dist = gl.abs(kv_rows.to(gl.float32)[:, None] - (cols + diag).to(gl.float32)[None, :])
@@ -349,11 +360,14 @@ if gluon is not None:
         if SPLIT:
             p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv1.type.layout, k_width=2)
             dv1_tok = warpgroup_mma(gl.convert_layout(p_t, p1_layout), do1_s, dv1, is_async=True)
-        delta = stat_smem.index(STAGES + s).load(col_s)          # already times softmax_scale
+        if BLOCK_M == 64:
+            delta = stat_smem.index(STAGES + s).load(col_s)          # already times softmax_scale
         if SPLIT:
             dp_t = warpgroup_mma_wait(2, deps=[dp_tok])           # both parts of dV keep running
         else:
             dp_t = warpgroup_mma_wait(1, deps=[dp_tok])           # dV keeps running
+        if BLOCK_M != 64:
+            delta = stat_smem.index(STAGES + s).load(col_s)
         # dS from the rounded P that dV used (as torch's low-precision math): P fp32 would hold 16 more
         # registers per thread across the dP wait, where this warpgroup peaks at 240.
         ds_t = (p_t.to(gl.float32) * (dp_t * sm_scale - delta[None, :])).to(dtype)
@@ -366,7 +380,7 @@ if gluon is not None:
         ds_wg.store(ds_t)
         fence_async_shared()                                      # generic-proxy stores -> wgmma reads
         mbarrier.arrive(ds_ready.index(slot), count=1)            # (after a barrier of this warpgroup)
-        dq_zero = gl.zeros([_BLOCK_M, DQ_COLS], gl.float32, dq_layout)
+        dq_zero = gl.zeros([BLOCK_M, DQ_COLS], gl.float32, dq_layout)
         if DQ_FIRST:
             # FA3's and FA4's order: dQ_j issued before dK, so dK's matmul runs while dQ_j goes to shared memory
             # below (retire order: dV, dQ, then dK at the step's end); dK reads dS^T from registers (their
@@ -430,7 +444,7 @@ if gluon is not None:
         acc_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                              instr_shape=[16, D0, 16])
         s_layout: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
-                                                           instr_shape=[16, _BLOCK_M, 16])
+                                                           instr_shape=[16, q_smem.shape[1], 16])
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
         b = pid_bh // HEADS_Q
@@ -456,7 +470,7 @@ if gluon is not None:
         else:
             k1_wg, v1_wg, dk1, dv1 = k_wg, v_wg, dk, dv   # not used: the loop hands dk1, dv1 back as they came
             k_half = k_smem.slice(WG * (HEAD_DIM // 2), HEAD_DIM // 2, dim=1)
-        j0, n_iter = _q_tiles(seqlen_q, win_left, win_right, CAUSAL, WINDOW, RAGGED)
+        j0, n_iter = _q_tiles(seqlen_q, win_left, win_right, CAUSAL, WINDOW, RAGGED, q_smem.shape[1])
         diag = seqlen_k - seqlen_q   # bottom-right alignment: query row r's diagonal key is r + diag
         slope2 = 0.0
         if ALIBI:
@@ -505,21 +519,22 @@ if gluon is not None:
         other HEAD_DIM - D0 columns, and dq_desc / dq1_desc the two parts of dQ_j (without SPLIT they repeat the
         first descriptors, unused)."""
         dtype: gl.constexpr = q_desc.dtype
+        BLOCK_M: gl.constexpr = q_desc.block_type.shape[0]
         D0: gl.constexpr = q_desc.block_type.shape[1]
         k_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, D0], k_desc.layout)
         v_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, D0], v_desc.layout)
-        q_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, D0], q_desc.layout)
-        do_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, D0], do_desc.layout)
+        q_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D0], do_desc.layout)
         if SPLIT:
             D1: gl.constexpr = q1_desc.block_type.shape[1]
             k1_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, D1], k1_desc.layout)
             v1_smem = gl.allocate_shared_memory(dtype, [_BLOCK_N, D1], v1_desc.layout)
-            q1_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, D1], q1_desc.layout)
-            do1_smem = gl.allocate_shared_memory(dtype, [STAGES, _BLOCK_M, D1], do1_desc.layout)
+            q1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], q1_desc.layout)
+            do1_smem = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_M, D1], do1_desc.layout)
         else:
             k1_smem, v1_smem, q1_smem, do1_smem = k_smem, v_smem, q_smem, do_smem   # unused
-        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, _BLOCK_M], dtype)
-        ds_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_N, _BLOCK_M], ds_layout)
+        ds_layout: gl.constexpr = gl.NVMMASharedLayout.get_default_for([_BLOCK_N, BLOCK_M], dtype)
+        ds_smem = gl.allocate_shared_memory(dtype, [2, _BLOCK_N, BLOCK_M], ds_layout)
         kv_ready = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
         q_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
         do_ready = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -535,14 +550,14 @@ if gluon is not None:
         # dQ_j [64, D] float32 as two [64, D / 2] halves in TMA's layout (the dq_accum descriptor's), per buffer;
         # SPLIT: its [64, D0] and [64, D1] parts, one buffer set each
         if SPLIT:
-            dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, _BLOCK_M, D0], dq_desc.layout)
-            dq1_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, _BLOCK_M, D1], dq1_desc.layout)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, D0], dq_desc.layout)
+            dq1_smem = gl.allocate_shared_memory(gl.float32, [DQ_BUFS, BLOCK_M, D1], dq1_desc.layout)
         else:
-            dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS, _BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
+            dq_smem = gl.allocate_shared_memory(gl.float32, [2 * DQ_BUFS, BLOCK_M, HEAD_DIM // 2], dq_desc.layout)
             dq1_smem = dq_smem   # unused
         # lse2 rows of stage s at index s, Delta * softmax_scale rows at STAGES + s (a rank-1 layout: the
         # leading dimension only indexes the rows)
-        stat_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, _BLOCK_M],
+        stat_smem = gl.allocate_shared_memory(gl.float32, [2 * STAGES, BLOCK_M],
                                               gl.SwizzledSharedLayout(1, 1, 1, [0]))
         dq_bars = gl.allocate_shared_memory(gl.int64, [2 * DQ_BUFS, 1], mbarrier.MBarrierLayout())
         for u in gl.static_range(DQ_BUFS):
@@ -641,8 +656,9 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     # head dim has one descriptor per column part, for q, k, v, dO and dq_accum alike.
     split = SPLIT.get(d, 0)
     parts = [(d - split, d - split), (split, split)] if split else [(d, d // 2)]
-    descs = [(_descriptor(q, BLOCK_M, c), _descriptor(k, BLOCK_N, c), _descriptor(v, BLOCK_N, c),
-              _descriptor(do, BLOCK_M, c), _descriptor(dq_accum, BLOCK_M, dqc)) for c, dqc in parts]
+    m = tiles.block_m
+    descs = [(_descriptor(q, m, c), _descriptor(k, BLOCK_N, c), _descriptor(v, BLOCK_N, c),
+              _descriptor(do, m, c), _descriptor(dq_accum, m, dqc)) for c, dqc in parts]
     args = (*(x for part in descs for x in part), lse2, delta, dk_out, dv_out, sq, sk, group,
             spec.softmax_scale * LOG2E, spec.softmax_scale, *window_bounds(spec), slopes, slope_stride)
     # Hq is compiled in (constant strides); one compile per head count, as per dtype and mask kind.

@@ -203,14 +203,18 @@ def compile_hopper_fwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
     return rows
 
 
-def compile_hopper_bwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
+def compile_hopper_bwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,), variant: str | None = None) -> list:
     """Compile the Gluon Hopper backward (kernels/attn_bwd_hopper.py) for each head dim it serves (default: its
-    DEFAULT table), with no mask, causal, a sliding window (left 64, right 0) and causal with ALiBi, per dtype."""
+    DEFAULT table), with no mask, causal, a sliding window (left 64, right 0) and causal with ALiBi, per dtype;
+    variant: a VARIANTS name instead of DEFAULT's (for the head dims it lists)."""
     from flashport.kernels import attn_bwd_hopper
     from flashport.spec import dense_spec
     rows = []
     for d in ds or sorted(attn_bwd_hopper.DEFAULT):
-        tiles = attn_bwd_hopper.VARIANTS[attn_bwd_hopper.DEFAULT[d]]
+        name = variant or attn_bwd_hopper.DEFAULT[d]
+        tiles = attn_bwd_hopper.VARIANTS[name]
+        if d not in tiles.head_dims:
+            continue
         for dtype in dtypes:
             for mask, kw in (("none", {}), ("causal", dict(causal=True)), ("window", dict(window_size=(64, 0))),
                              ("alibi", dict(causal=True, alibi_slopes=torch.ones(2 * gqa)))):
@@ -220,12 +224,13 @@ def compile_hopper_bwd(gqa: int = 2, ds=None, dtypes=(torch.bfloat16,)) -> list:
                                                         softcap=0.0, alibi_slopes=None, dropout_p=0.0,
                                                         deterministic=False, return_lse=False), **kw})
                 row = {"kernel": "bwd_hopper", "d": d, "causal": mask, "gqa": gqa, "dtype": str(dtype).split(".")[-1],
-                       "config": {"block_m": attn_bwd_hopper.BLOCK_M, "block_n": attn_bwd_hopper.BLOCK_N,
+                       "config": {"block_m": tiles.block_m, "block_n": attn_bwd_hopper.BLOCK_N,
                                   "num_warps": 12, "num_stages": tiles.stages}}
                 lse2 = torch.zeros(1, 2 * gqa, 256)
                 try:
                     rows.append({**row, **report(attn_bwd_hopper.backward(spec, q, q, k, k, None, lse2, lse2,
-                                                                          warmup=True, alibi=kw.get("alibi_slopes")))})
+                                                                          variant=name, warmup=True,
+                                                                          alibi=kw.get("alibi_slopes")))})
                 except Exception as e:  # noqa: BLE001 - a variant the compiler rejects is reported, not fatal
                     rows.append({**row, "error": f"{type(e).__name__}: {e}"[:500]})
     return rows
@@ -280,6 +285,8 @@ def main(argv=None) -> int:
     ap.add_argument("--merge", action="store_true", help="also compile the merge's forward and backward kernels")
     ap.add_argument("--hopper-bwd", action="store_true", help="also compile the Gluon Hopper backward (its head "
                     "dims among --d, or all; no mask, causal and a window)")
+    ap.add_argument("--hopper-bwd-variant", metavar="NAME", help="--hopper-bwd: this VARIANTS entry of "
+                    "kernels/attn_bwd_hopper.py instead of its DEFAULT (the head dims it lists)")
     ap.add_argument("--json", type=Path)
     args = ap.parse_args(argv)
     driver.set_active(_HopperTarget())
@@ -309,7 +316,7 @@ def main(argv=None) -> int:
         from flashport.kernels.attn_bwd_hopper import DEFAULT
         ds = [d for d in args.d if d in DEFAULT] or None
         dtypes = {"bf16": (torch.bfloat16,), "fp16": (torch.float16,), "both": (torch.bfloat16, torch.float16)}
-        rows += compile_hopper_bwd(max(args.gqa, 1), ds, dtypes[args.hopper_dtype])
+        rows += compile_hopper_bwd(max(args.gqa, 1), ds, dtypes[args.hopper_dtype], args.hopper_bwd_variant)
     print(f"{'kernel':11} {'D':>4} {'config':28} {'regs':>4} {'used':>4} {'spill':>5} {'smem':>6} {'HGMMA':>5} "
           f"{'HMMA':>4} {'LDL/STL':>7} {'RED/ATOM':>8}")
     for r in rows:
