@@ -10,6 +10,8 @@
 #   PART=B (carry .fa4b, within 30 s of A): FA4 step 2; with the window / ALiBi / split switches on, the workloads
 #          suite's window and D=80 / 96 buckets re-tuned into the shipped H200 table (copied back as
 #          $R/selection-nvidia-h200.json), then the workloads suite and the programmable suite with FA4's column
+#   PART=C: the D=64 backward's 128-row Q tile (variant m128_s2) against the default: gluon_bwd_probe.py (check and
+#          timing, each variant's kernel alone), then its GPU-tier cases (test_m128_tile_conforms)
 # Switches that pass t and win in u go on by default in flashport/env.py (PERFLOG rows 78, 79, 81-83, 86).
 SESSION=s24; . "$(dirname "$0")/session.sh"
 variants_on() { export FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW=1 FLASHPORT_HOPPER_FWD_SPLIT=1 \
@@ -36,6 +38,13 @@ t|A) mkdir -p "$R/tier"
    grep -E "^FAILED|Error" "$R/tier/variants.log" | cut -c1-240 | head -12; save
    variants_on; FUZZ_N=${FUZZ_N:-300} tier fuzz:${FUZZ_SECONDS:-240}
    grep -E "FAIL|gluon" "$R/tier/fuzz.log" | cut -c1-200 | tail -14 ;;
+C) timeout ${PROBE_SECONDS:-240} python tools/gpu/gluon_bwd_probe.py --variants s2_tma_lse m128_s2 --head-dims 64 \
+       --budget 200 --rep 60 --out "$R/gluon_bwd_m128.json" 2>&1 | grep -E "^(check|time|ratio|NOTE)" | grep -v PASS | tail -40
+   save; mkdir -p "$R/tier"
+   timeout ${VARIANT_SECONDS:-200} python -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rfE \
+       tests/gpu/test_hopper_bwd_gpu.py -k m128 -W ignore > "$R/tier/m128.log" 2>&1
+   echo "m128 rc=$? $(grep -E '[0-9]+ (passed|failed)' "$R/tier/m128.log" | tail -1)"
+   grep -E "^FAILED|Error" "$R/tier/m128.log" | cut -c1-240 | head -12 ;;
 u) timeout ${PROBE_SECONDS:-540} python tools/gpu/probe_hopper_variants.py --rounds 3 --out "$R/probe_hopper_variants.jsonl" \
        --only pin "dq first" window ALiBi "D=96" "D=80" 2>&1 | grep -v "Warning\|warn(" | tail -40 ;;
 esac
