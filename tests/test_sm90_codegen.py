@@ -140,3 +140,27 @@ def test_hopper_backward_compiles_every_mask_variant(switches, tmp_path):
         assert r["max_register_used"] <= 240, (r["d"], r["causal"], r["max_register_used"])
         bound = 0 if r["d"] != 128 else 96 if r["causal"] == "alibi" else 48
         assert r["stack_bytes"] <= bound, (r["d"], r["causal"], r["stack_bytes"])
+
+
+@pytest.mark.skipif(not CUOBJDUMP.exists(), reason="Triton's bundled cuobjdump is missing")
+def test_hopper_backward_128_row_tile_compiles(tmp_path):
+    """The backward's 128-row Q tile at D=64 (variant m128_s2): S^T and dP^T [64, 128] per warpgroup, lse2 / Delta
+    read after their matmuls retire.  HGMMA, TMA, registers within 240; no spills without a mask, and at most
+    today's (24 bytes causal, 32 windowed, 56 with ALiBi) with one."""
+    pytest.importorskip("triton.experimental.gluon")
+    out = tmp_path / "report.json"
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    proc = subprocess.run([sys.executable, str(ROOT / "tools" / "gpu" / "compile_report.py"), "--d", "64",
+                           "--hopper-bwd", "--hopper-dtype", "bf16", "--hopper-bwd-variant", "m128_s2",
+                           "--json", str(out)], env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = [r for r in json.loads(out.read_text()) if r["kernel"] == "bwd_hopper"]
+    assert [(r["d"], r["causal"], r["config"]["block_m"]) for r in rows] == [
+        (64, m, 128) for m in ("none", "causal", "window", "alibi")]
+    bounds = {"none": 0, "causal": 24, "window": 32, "alibi": 56}
+    for r in rows:
+        assert "error" not in r, r["error"]
+        assert r["sass"]["HGMMA"] > 0 and r["sass"]["HMMA"] == 0, r["sass"]
+        assert any(op.startswith("UTMALDG") for op in r["sass_ops"]), r["sass_ops"]
+        assert r["max_register_used"] <= 240, (r["causal"], r["max_register_used"])
+        assert r["stack_bytes"] <= bounds[r["causal"]], (r["causal"], r["stack_bytes"])
