@@ -62,6 +62,10 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_HOPPER_BWD_WINDOW", "0", "1: the Hopper backward serves sliding windows (Sq == Sk; tiles outside "
                                                "the band skipped), which the Triton kernels serve otherwise (off until "
                                                "a GPU run checks and times it: PERFLOG row 78)"),
+    Switch("FLASHPORT_HOPPER_BWD_GROUP_LOOP", "0", "1: under GQA the Hopper backward runs one program per K/V head and "
+                                                   "tile, walking its group's query heads: dK / dV summed in registers "
+                                                   "and written once, no float32 partials (off until a GPU run checks "
+                                                   "and times it: PERFLOG row 90)"),
     Switch("FLASHPORT_GQA_GROUP_LOOP", "0", "1: the Triton dK/dV kernel loops over a GQA group's query heads in one "
                                             "program (K, V read once; no float32 partials to sum)"),
     Switch("FLASHPORT_CAP_GRAD_SUMS", "1", "0: the Triton kernels add captured tensors' gradients element by element "

@@ -114,13 +114,15 @@ def test_q_chunked_dkdv_and_the_merge_kernels_compile_for_sm90_without_spills(tm
 
 
 @pytest.mark.skipif(not CUOBJDUMP.exists(), reason="Triton's bundled cuobjdump is missing")
-@pytest.mark.parametrize("switches", [{}, {"FLASHPORT_HOPPER_BWD_DQ_FIRST": "1"}], ids=["plain", "dq_first"])
+@pytest.mark.parametrize("switches", [{}, {"FLASHPORT_HOPPER_BWD_DQ_FIRST": "1"},
+                                      {"FLASHPORT_HOPPER_BWD_GROUP_LOOP": "1"}], ids=["plain", "dq_first", "group_loop"])
 def test_hopper_backward_compiles_every_mask_variant(switches, tmp_path):
     """The Gluon backward (kernels/attn_bwd_hopper.py), no mask, causal, its sliding-window variant and causal with
     ALiBi, at each head dim it serves (80 and 96 as two column parts): HGMMA, TMA, setmaxnreg, the registers it
     touches within the consumers' 240, and at D=64, 80, 96 no spills (D=128 spills in every variant: 8 bytes without
     a mask, 32 causal, 40 windowed, 80 with ALiBi in the 22nd session's report; the bounds below keep that from
-    growing unnoticed).  The same with dQ_j issued before dK (FLASHPORT_HOPPER_BWD_DQ_FIRST=1, PERFLOG row 89)."""
+    growing unnoticed).  The same with dQ_j issued before dK (FLASHPORT_HOPPER_BWD_DQ_FIRST=1, PERFLOG row 89) and with
+    the GQA group loop (FLASHPORT_HOPPER_BWD_GROUP_LOOP=1; the report compiles GQA 2, row 90)."""
     pytest.importorskip("triton.experimental.gluon")
     out = tmp_path / "report.json"
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}

@@ -200,10 +200,21 @@ if gluon is not None:
         return n
 
     @gluon.jit
+    def _head_and_tile(i, n_iter, GROUP: gl.constexpr):
+        """Step i of a program: (g, t), the t-th of its n_iter Q tiles of its g-th query head (GROUP > 1: the
+        program walks its K/V head's group, head by head)."""
+        g = 0
+        t = i
+        if GROUP > 1:
+            g = i // n_iter
+            t = i - g * n_iter
+        return g, t
+
+    @gluon.jit
     def _drain_dq(t, dq_smem, dq1_smem, dq_bars, dq_desc, dq1_desc, h, q_row0, HEAD_DIM: gl.constexpr,
-                  DQ_BUFS: gl.constexpr, SPLIT: gl.constexpr):
-        """dq_accum[Q tile t of this program] += dQ_t from buffer u = t % DQ_BUFS (both warpgroups' halves,
-        one TMA reduce-add each), then the buffer is free.
+                  DQ_BUFS: gl.constexpr, SPLIT: gl.constexpr, row_t):
+        """dq_accum[Q tile row_t of head h] += dQ of the program's step t, from buffer u = t % DQ_BUFS (both
+        warpgroups' halves, one TMA reduce-add each), then the buffer is free.
 
         Handshake (buffer u filled by Q tiles t = u, u + DQ_BUFS, ..., its n-th fill being tile u + n DQ_BUFS):
           dq_full[u]  (dq_bars[u], count 2): each consumer warpgroup arrives once per fill after storing its
@@ -223,7 +234,7 @@ if gluon is not None:
         # columns [WG D / 2, (WG + 1) D / 2) of head h.  The consumers fenced their stores for the async proxy; store_wait(0)
         # returns once the copy engine has read both halves (not once the adds landed: only the kernel's end
         # orders those, and nothing reads dq_accum before it).
-        row = q_row0 + t * dq_smem.shape[1]
+        row = q_row0 + row_t * dq_smem.shape[1]
         if SPLIT:
             _tma_reduce_add(dq_desc, [row, h * HEAD_DIM], dq_smem.index(u))
             _tma_reduce_add(dq1_desc, [row, h * HEAD_DIM + dq_smem.shape[2]], dq1_smem.index(u))
@@ -238,7 +249,8 @@ if gluon is not None:
                   do1_desc, k1_smem, v1_smem, q1_smem, do1_smem, kv_ready, q_ready, do_ready, qdo_empty, dq_smem,
                   dq1_smem, dq_bars, dq_desc, dq1_desc, stat_smem, lse_ptr, delta_ptr, sm_scale, seqlen_q, seqlen_k,
                   group, win_left, win_right, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
-                  WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, SPLIT: gl.constexpr):
+                  WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, SPLIT: gl.constexpr,
+                  GROUP: gl.constexpr):
         """TMA issue: K and V once, then Q_j / dO_j into stage i % STAGES once both consumers freed it, with
         Q_j's lse2 and Delta rows into stat_smem (plain loads and stores: 512 bytes per tile).  Also dQ_j's
         reduce-adds (_drain_dq), for tile i - STAGES right after issuing tile i: the qdo_empty wait just
@@ -249,10 +261,10 @@ if gluon is not None:
         BLOCK_M: gl.constexpr = q_smem.shape[1]
         D0: gl.constexpr = q_smem.shape[2]
         pid_bh = gl.program_id(1)
-        b = pid_bh // HEADS_Q
-        h = pid_bh % HEADS_Q
+        b = pid_bh // (HEADS_Q // GROUP)
+        h0 = pid_bh % (HEADS_Q // GROUP) * GROUP    # the program's (first) query head
         kv_row = b * seqlen_k + gl.program_id(0) * _BLOCK_N
-        kv_col = (h // group) * HEAD_DIM
+        kv_col = (h0 // group) * HEAD_DIM
         if SPLIT:   # one arrival: every copy on one barrier
             mbarrier.expect(kv_ready, 2 * (k_desc.block_type.nbytes + k1_desc.block_type.nbytes))
             tma.async_copy_global_to_shared(k1_desc, [kv_row, kv_col + D0], kv_ready, k1_smem)
@@ -263,36 +275,41 @@ if gluon is not None:
         tma.async_copy_global_to_shared(v_desc, [kv_row, kv_col], kv_ready, v_smem)
         j0, n_iter = _q_tiles(seqlen_q, win_left, win_right, CAUSAL, WINDOW, RAGGED, BLOCK_M)
         q_row = b * seqlen_q + j0 * BLOCK_M
-        stats_row = pid_bh.to(gl.int64) * _stats_len(seqlen_q, RAGGED)
         vec_layout: gl.constexpr = gl.BlockedLayout([1], [32], [4], [0])
-        for i in range(n_iter):
+        for i in range(GROUP * n_iter):
+            g, t = _head_and_tile(i, n_iter, GROUP)
+            h = h0 + g
+            stats_row = (b * HEADS_Q + h).to(gl.int64) * _stats_len(seqlen_q, RAGGED)
             s = i % STAGES
             # First lap: a fresh barrier's parity 1 counts as completed, so the ring starts empty.
             mbarrier.wait(qdo_empty.index(s), ((i // STAGES) & 1) ^ 1)
-            _load(q_desc, q1_desc, q_ready.index(s), q_smem.index(s), q1_smem.index(s), q_row + i * BLOCK_M,
+            _load(q_desc, q1_desc, q_ready.index(s), q_smem.index(s), q1_smem.index(s), q_row + t * BLOCK_M,
                   h * HEAD_DIM, D0, SPLIT)
-            _load(do_desc, do1_desc, do_ready.index(s), do_smem.index(s), do1_smem.index(s), q_row + i * BLOCK_M,
+            _load(do_desc, do1_desc, do_ready.index(s), do_smem.index(s), do1_smem.index(s), q_row + t * BLOCK_M,
                   h * HEAD_DIM, D0, SPLIT)
             # lse2 / Delta after both copies are issued, so that these loads' latency delays neither
-            rows = (j0 + i) * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
+            rows = (j0 + t) * BLOCK_M + gl.arange(0, BLOCK_M, layout=vec_layout)
             stat_smem.index(s).store(gl.load(lse_ptr + stats_row + rows))
             # Delta times softmax_scale: the form dS = P * (dP * scale - Delta * scale) uses
             delta = gl.load(delta_ptr + stats_row + rows) * sm_scale
             stat_smem.index(STAGES + s).store(delta)
             mbarrier.arrive(q_ready.index(s), count=1)   # q_ready's second arrival (after a partition barrier)
             if i >= STAGES:
-                _drain_dq(i - STAGES, dq_smem, dq1_smem, dq_bars, dq_desc, dq1_desc, h, q_row, HEAD_DIM, DQ_BUFS,
-                          SPLIT)
-        for t in range(gl.maximum(n_iter - STAGES, 0), n_iter):   # the last min(STAGES, n_iter), in order
-            _drain_dq(t, dq_smem, dq1_smem, dq_bars, dq_desc, dq1_desc, h, q_row, HEAD_DIM, DQ_BUFS, SPLIT)
+                gd, td = _head_and_tile(i - STAGES, n_iter, GROUP)
+                _drain_dq(i - STAGES, dq_smem, dq1_smem, dq_bars, dq_desc, dq1_desc, h0 + gd, q_row, HEAD_DIM,
+                          DQ_BUFS, SPLIT, td)
+        n_steps = GROUP * n_iter
+        for i in range(gl.maximum(n_steps - STAGES, 0), n_steps):   # the last min(STAGES, n_steps), in order
+            gd, td = _head_and_tile(i, n_iter, GROUP)
+            _drain_dq(i, dq_smem, dq1_smem, dq_bars, dq_desc, dq1_desc, h0 + gd, q_row, HEAD_DIM, DQ_BUFS, SPLIT, td)
 
     @gluon.jit
-    def _step(i, j, dk, dv, dk1, dv1, k_wg, v_wg, k1_wg, v1_wg, k_half, q_smem, do_smem, q1_smem, do1_smem, ds_smem,
+    def _step(i, t, j, dk, dv, dk1, dv1, k_wg, v_wg, k1_wg, v1_wg, k_half, q_smem, do_smem, q1_smem, do1_smem, ds_smem,
               q_ready, do_ready, qdo_empty, ds_ready, dq_smem, dq1_smem, dq_bars, stat_smem, kv_rows, seqlen_k,
               qk_scale, sm_scale, win_left, win_right, slope2, diag, WG: gl.constexpr, MASK: gl.constexpr,
               WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr,
               SPLIT: gl.constexpr, DQ_FIRST: gl.constexpr):
-        """Q tile j (the i-th of this program): dK, dV updated, this warpgroup's half of dQ_j handed to the
+        """Q tile j (step i of this program, the t-th of its head): dK, dV updated, this warpgroup's half of dQ_j handed to the
         producer through dq_smem.  SPLIT: S^T and dP^T sum the two column parts' products, dk1 / dv1 hold the
         second part of dK / dV, and this warpgroup's part of dQ_j (k_half's columns) goes to dq_smem (WG 0) or
         dq1_smem (WG 1); without SPLIT dk1 / dv1 come back as they came."""
@@ -333,7 +350,7 @@ if gluon is not None:
         # program's first Q tiles, the ones its diagonal crosses (one loop body: fewer registers for ptxas than a
         # peeled loop).
         if MASK:
-            if i < _BLOCK_N // BLOCK_M:
+            if t < _BLOCK_N // BLOCK_M:
                 s_t = gl.where(cols[None, :] >= kv_rows[:, None], s_t, float("-inf"))
         # Window (Sq == Sk): key kv visible to row q iff q - win_left <= kv <= q + win_right, masked at run time
         # only on the tiles that cross the band's edges for this warpgroup's 64 keys.
@@ -437,7 +454,7 @@ if gluon is not None:
                   seqlen_k, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride, WG: gl.constexpr,
                   HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                   DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr, SPLIT: gl.constexpr,
-                  DQ_FIRST: gl.constexpr):
+                  DQ_FIRST: gl.constexpr, GROUP: gl.constexpr):
         """Warpgroup WG: K/V rows [64 WG, 64 WG + 64) of the program's tile; dK, dV float32 [64, D] (SPLIT: dk, dv
         the columns [0, D0), dk1, dv1 the rest)."""
         D0: gl.constexpr = q_smem.shape[2]
@@ -447,8 +464,8 @@ if gluon is not None:
                                                            instr_shape=[16, q_smem.shape[1], 16])
         pid_n = gl.program_id(0)
         pid_bh = gl.program_id(1)
-        b = pid_bh // HEADS_Q
-        h = pid_bh % HEADS_Q
+        b = pid_bh // (HEADS_Q // GROUP)
+        h0 = pid_bh % (HEADS_Q // GROUP) * GROUP
         kv0 = pid_n * _BLOCK_N + WG * _WG_N
         kv_rows = kv0 + gl.arange(0, _WG_N, layout=gl.SliceLayout(1, s_layout))
         k_wg = k_smem.slice(WG * _WG_N, _WG_N)
@@ -474,21 +491,25 @@ if gluon is not None:
         diag = seqlen_k - seqlen_q   # bottom-right alignment: query row r's diagonal key is r + diag
         slope2 = 0.0
         if ALIBI:
-            slope2 = gl.load(slopes_ptr + b * slope_stride + h) * _LOG2E
+            slope2 = gl.load(slopes_ptr + b * slope_stride + h0) * _LOG2E
         mbarrier.wait(kv_ready, 0)
-        for i in range(n_iter):
-            dk, dv, dk1, dv1 = _step(i, j0 + i, dk, dv, dk1, dv1, k_wg, v_wg, k1_wg, v1_wg, k_half, q_smem, do_smem,
+        for i in range(GROUP * n_iter):
+            g, t = _head_and_tile(i, n_iter, GROUP)
+            if ALIBI:
+                if GROUP > 1:
+                    slope2 = gl.load(slopes_ptr + b * slope_stride + h0 + g) * _LOG2E
+            dk, dv, dk1, dv1 = _step(i, t, j0 + t, dk, dv, dk1, dv1, k_wg, v_wg, k1_wg, v1_wg, k_half, q_smem, do_smem,
                                      q1_smem, do1_smem, ds_smem, q_ready, do_ready, qdo_empty, ds_ready, dq_smem,
                                      dq1_smem, dq_bars, stat_smem, kv_rows, seqlen_k, qk_scale, sm_scale, win_left,
                                      win_right, slope2, diag, WG, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT,
                                      DQ_FIRST)
 
         # Epilogue: dK, dV rows of query head h into [B, Sk, Hq, D]: dk / dv themselves without GQA, else
-        # float32 partials.  Hq is a compile-time constant: with constant row strides the per-thread offsets
-        # fold into instruction immediates (as run-time strides they were registers that ptxas spilled); one
-        # int64 scalar for the tile.
-        row_stride: gl.constexpr = HEADS_Q * HEAD_DIM
-        tile = (b.to(gl.int64) * seqlen_k + kv0) * row_stride + h * HEAD_DIM
+        # float32 partials; GROUP > 1: the group's sums, into dk / dv [B, Sk, Hkv, D] themselves.  The head counts
+        # are compile-time constants: with constant row strides the per-thread offsets fold into instruction
+        # immediates (as run-time strides they were registers that ptxas spilled); one int64 scalar for the tile.
+        row_stride: gl.constexpr = HEADS_Q // GROUP * HEAD_DIM
+        tile = (b.to(gl.int64) * seqlen_k + kv0) * row_stride + h0 // GROUP * HEAD_DIM
         _store_rows(dk_ptr, dv_ptr, dk, dv, tile, row_stride, kv0, seqlen_k, RAGGED)
         if SPLIT:
             _store_rows(dk_ptr, dv_ptr, dk1, dv1, tile + D0, row_stride, kv0, seqlen_k, RAGGED)
@@ -513,7 +534,7 @@ if gluon is not None:
                   delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, group, qk_scale, sm_scale, win_left, win_right,
                   slopes_ptr, slope_stride, HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr,
                   WINDOW: gl.constexpr, STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr,
-                  ALIBI: gl.constexpr, SPLIT: gl.constexpr, DQ_FIRST: gl.constexpr):
+                  ALIBI: gl.constexpr, SPLIT: gl.constexpr, DQ_FIRST: gl.constexpr, GROUP: gl.constexpr):
         """q_desc / do_desc: [BLOCK_M, D0] blocks; k_desc / v_desc: [BLOCK_N, D0]; dq_desc: float32 [BLOCK_M, D / 2]
         (one warpgroup's half of dQ_j), with D0 = HEAD_DIM unless SPLIT: then the *1_desc blocks hold the head's
         other HEAD_DIM - D0 columns, and dq_desc / dq1_desc the two parts of dQ_j (without SPLIT they repeat the
@@ -569,15 +590,15 @@ if gluon is not None:
                          do1_desc, k1_smem, v1_smem, q1_smem, do1_smem, kv_ready, q_ready, do_ready, qdo_empty,
                          dq_smem, dq1_smem, dq_bars, dq_desc, dq1_desc, stat_smem, lse_ptr, delta_ptr, sm_scale,
                          seqlen_q, seqlen_k, group, win_left, win_right, HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, DQ_BUFS,
-                         RAGGED, SPLIT)),
+                         RAGGED, SPLIT, GROUP)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, k1_smem, v1_smem, q1_smem, do1_smem, ds_smem, kv_ready,
                          q_ready, do_ready, qdo_empty, ds_ready, dq_smem, dq1_smem, dq_bars, stat_smem, dk_ptr, dv_ptr,
                          seqlen_q, seqlen_k, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride, 0,
-                         HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT, DQ_FIRST)),
+                         HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT, DQ_FIRST, GROUP)),
             (_consumer, (k_smem, v_smem, q_smem, do_smem, k1_smem, v1_smem, q1_smem, do1_smem, ds_smem, kv_ready,
                          q_ready, do_ready, qdo_empty, ds_ready, dq_smem, dq1_smem, dq_bars, stat_smem, dk_ptr, dv_ptr,
                          seqlen_q, seqlen_k, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride, 1,
-                         HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT, DQ_FIRST)),
+                         HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, DQ_BUFS, RAGGED, ALIBI, SPLIT, DQ_FIRST, GROUP)),
         ], [4, 4], [_CONSUMER_REGS, _CONSUMER_REGS])
 
     # Two entry points over one body: without SPLIT the launch carries five descriptors, not ten (Triton's launcher
@@ -588,11 +609,11 @@ if gluon is not None:
                          seqlen_k, group, qk_scale, sm_scale, win_left, win_right, slopes_ptr, slope_stride,
                          HEADS_Q: gl.constexpr, HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                          STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr,
-                         DQ_FIRST: gl.constexpr):
+                         DQ_FIRST: gl.constexpr, GROUP: gl.constexpr):
         _bwd_body(q_desc, k_desc, v_desc, do_desc, dq_desc, q_desc, k_desc, v_desc, do_desc, dq_desc, lse_ptr,
                   delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, group, qk_scale, sm_scale, win_left, win_right,
                   slopes_ptr, slope_stride, HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, STAGES, DQ_BUFS, RAGGED, ALIBI, False,
-                  DQ_FIRST)
+                  DQ_FIRST, GROUP)
 
     @gluon.jit(do_not_specialize=["win_left", "win_right"])
     def _attn_bwd_hopper_split(q_desc, k_desc, v_desc, do_desc, dq_desc, q1_desc, k1_desc, v1_desc, do1_desc,
@@ -600,11 +621,11 @@ if gluon is not None:
                                sm_scale, win_left, win_right, slopes_ptr, slope_stride, HEADS_Q: gl.constexpr,
                                HEAD_DIM: gl.constexpr, CAUSAL: gl.constexpr, WINDOW: gl.constexpr,
                                STAGES: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr,
-                               DQ_FIRST: gl.constexpr):
+                               DQ_FIRST: gl.constexpr, GROUP: gl.constexpr):
         _bwd_body(q_desc, k_desc, v_desc, do_desc, dq_desc, q1_desc, k1_desc, v1_desc, do1_desc, dq1_desc, lse_ptr,
                   delta_ptr, dk_ptr, dv_ptr, seqlen_q, seqlen_k, group, qk_scale, sm_scale, win_left, win_right,
                   slopes_ptr, slope_stride, HEADS_Q, HEAD_DIM, CAUSAL, WINDOW, STAGES, DQ_BUFS, RAGGED, ALIBI, True,
-                  DQ_FIRST)
+                  DQ_FIRST, GROUP)
 
     _launch = DirectLauncher(_attn_bwd_hopper)
     _launch_split = DirectLauncher(_attn_bwd_hopper_split)
@@ -645,13 +666,16 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
         lse2, delta = lse2.contiguous(), delta.contiguous()
     if dq_accum is None:
         dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
-    if group > 1:  # float32 partials per query head, summed per group below
+    # GQA: one program per K/V head walks its group's query heads (FLASHPORT_HOPPER_BWD_GROUP_LOOP=1: dK, dV summed
+    # in registers and written once), or one per query head writes float32 partials, summed per group below
+    loop = group if group > 1 and env.flag("FLASHPORT_HOPPER_BWD_GROUP_LOOP") else 1
+    if group > 1 and loop == 1:
         dk_out = torch.empty(b, sk, hq, d, dtype=torch.float32, device=k.device)
         dv_out = torch.empty_like(dk_out)
     else:          # written in place
         dk_out = dk if dk is not None else torch.empty_like(k)
         dv_out = dv if dv is not None else torch.empty_like(v)
-    grid = (padded(sk) // BLOCK_N, b * hq)
+    grid = (padded(sk) // BLOCK_N, b * hq // loop)
     # dq_accum's descriptor: [64, D / 2] float32 boxes (one warpgroup's half of dQ_j), for the reduce-adds; a split
     # head dim has one descriptor per column part, for q, k, v, dO and dq_accum alike.
     split = SPLIT.get(d, 0)
@@ -665,12 +689,12 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     kind = spec.visibility.kind
     meta = dict(HEADS_Q=hq, HEAD_DIM=d, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
                 DQ_BUFS=tiles.dq_bufs, RAGGED=ragged, ALIBI=has_alibi,
-                DQ_FIRST=env.flag("FLASHPORT_HOPPER_BWD_DQ_FIRST"), num_warps=4)
+                DQ_FIRST=env.flag("FLASHPORT_HOPPER_BWD_DQ_FIRST"), GROUP=loop, num_warps=4)
     launch = _launch_split if split else _launch
     if warmup:
         return launch.compile(grid, args, meta)
     key = variant_key(spec)
-    if (tiles, hq, group > 1, ragged, meta["DQ_FIRST"], *key) not in _compiled:
+    if (tiles, hq, group > 1, loop, ragged, meta["DQ_FIRST"], *key) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             launch.compile(grid, args, meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernels"
@@ -678,11 +702,11 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
             warnings.warn(f"flashport: the Hopper backward failed to compile for {key} and is switched off "
                           f"for it; the Triton kernels serve instead ({broken[key]})", RuntimeWarning, stacklevel=3)
             return None
-        _compiled.add((tiles, hq, group > 1, ragged, meta["DQ_FIRST"], *key))
+        _compiled.add((tiles, hq, group > 1, loop, ragged, meta["DQ_FIRST"], *key))
     launch(grid, args, meta)
     # dQ already carries softmax_scale (folded into dS): the epilogue is a cast.
     dq = dq.copy_(dq_accum) if dq is not None else dq_accum.to(q.dtype)
-    if group > 1:  # [B, Sk, Hq, D] -> [B, Sk, Hkv, G, D] summed over G (query head h reads kv head h // G)
+    if group > 1 and loop == 1:  # [B, Sk, Hq, D] -> [B, Sk, Hkv, G, D] summed over G (query head h reads kv head h // G)
         dk_sum = dk_out.unflatten(2, (spec.heads_kv, group)).sum(3)
         dv_sum = dv_out.unflatten(2, (spec.heads_kv, group)).sum(3)
         dk = dk.copy_(dk_sum) if dk is not None else dk_sum.to(k.dtype)

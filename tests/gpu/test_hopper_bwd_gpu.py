@@ -162,6 +162,22 @@ def test_m128_tile_conforms(case, switches, dtype, served, monkeypatch):
     check_served_with(switches, case.replace(dtype=dtype), served, monkeypatch)
 
 
+# FLASHPORT_HOPPER_BWD_GROUP_LOOP=1: under GQA one program per K/V head walks its group's query heads, dK / dV summed
+# in registers and written once.  Every GQA / MQA case of this tier: causal, Sq != Sk, ragged, windows, ALiBi (per-head
+# slopes change inside a program), split head dims, the 128-row tile.
+GROUP_LOOP = [(c, {}) for c in SERVED if c.hq != c.hkv] + [
+    (c, {"FLASHPORT_HOPPER_BWD_WINDOW": "1"}) for c in WINDOWS if c.hq != c.hkv] + [
+    (c, {"FLASHPORT_HOPPER_BWD_ALIBI": "1", "FLASHPORT_HOPPER_FWD_ALIBI": f}) for c, f in ALIBI if c.hq != c.hkv] + [
+    (c, {"FLASHPORT_HOPPER_BWD_SPLIT": "1", **sw}) for c, sw in SPLIT if c.hq != c.hkv]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("case, switches", GROUP_LOOP, ids=str)
+def test_group_loop_conforms(case, switches, dtype, served, monkeypatch):
+    check_served_with({"FLASHPORT_HOPPER_BWD_GROUP_LOOP": "1", **switches}, case.replace(dtype=dtype), served,
+                      monkeypatch)
+
+
 DECLINED = [
     Case(b=2, sq=256, sk=256, hq=4, hkv=2, d=128, causal=True, deterministic=True),   # unordered dQ sums: never
     Case(b=1, sq=100, sk=256, hq=2, hkv=2, d=128),                   # shorter than one tile
