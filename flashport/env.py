@@ -62,6 +62,9 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_HOPPER_BWD_WINDOW", "0", "1: the Hopper backward serves sliding windows (Sq == Sk; tiles outside "
                                                "the band skipped), which the Triton kernels serve otherwise (off until "
                                                "a GPU run checks and times it: PERFLOG row 78)"),
+    Switch("FLASHPORT_HOPPER_BWD_M128", "0", "1: the Hopper backward at D=64 takes 128 query rows per step (FA3's and "
+                                             "FA4's tile: half the steps, and their fixed costs, per K/V tile; off "
+                                             "until a GPU run checks and times it: PERFLOG row 91)"),
     Switch("FLASHPORT_HOPPER_BWD_GROUP_LOOP", "0", "1: under GQA the Hopper backward runs one program per K/V head and "
                                                    "tile, walking its group's query heads: dK / dV summed in registers "
                                                    "and written once, no float32 partials (off until a GPU run checks "

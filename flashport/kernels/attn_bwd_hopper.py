@@ -106,6 +106,11 @@ DEFAULT = {128: "s2_tma2_lse", 64: "s2_tma_lse", 80: "s2_tma2_lse", 96: "s2_tma2
 SPLIT = {d: t.split for d, t in TILES.items() if t.split}
 
 
+def default_variant(d: int) -> str:
+    """DEFAULT[d], or the 128-row Q tile at D=64 under FLASHPORT_HOPPER_BWD_M128=1 (until a GPU run times it)."""
+    return "m128_s2" if d == 64 and env.flag("FLASHPORT_HOPPER_BWD_M128") else DEFAULT[d]
+
+
 def enabled() -> bool:
     # Gluon is experimental upstream: only the Triton releases this kernel is tested on (versions.py)
     return (gluon is not None and is_tested(triton.__version__)
@@ -655,7 +660,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     float32 slopes [Hq] or [B, Hq] (spec.alibi)."""
     slopes, slope_stride, has_alibi = alibi_args(spec, alibi, lse2)
     b, sq, hq, d = q.shape
-    tiles = VARIANTS[variant or DEFAULT[d]]
+    tiles = VARIANTS[variant or default_variant(d)]
     sk = k.shape[1]
     group = spec.group_size
     ragged = bool(sq % BLOCK_N or sk % BLOCK_N)

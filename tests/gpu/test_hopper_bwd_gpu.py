@@ -147,7 +147,7 @@ def test_dq_first_conforms(case, switches, dtype, served, monkeypatch):
     check_served_with({"FLASHPORT_HOPPER_BWD_DQ_FIRST": "1", **switches}, case.replace(dtype=dtype), served, monkeypatch)
 
 
-# The 128-row Q tile (variant m128_s2, D=64 only): one diagonal Q tile per causal K/V tile, lse2 / Delta read after
+# The 128-row Q tile (FLASHPORT_HOPPER_BWD_M128=1: variant m128_s2, D=64 only): one diagonal Q tile per causal K/V tile, lse2 / Delta read after
 # their matmuls retire.  Every D=64 case of this tier: causal, Sq != Sk, GQA / MQA, ragged, windows, ALiBi.
 M128 = [(c, {}) for c in SERVED if c.d == 64] + [(c, {"FLASHPORT_HOPPER_BWD_WINDOW": "1"}) for c in WINDOWS if c.d == 64] + [
     (c, {"FLASHPORT_HOPPER_BWD_ALIBI": "1", "FLASHPORT_HOPPER_FWD_ALIBI": f}) for c, f in ALIBI if c.d == 64]
@@ -156,10 +156,7 @@ M128 = [(c, {}) for c in SERVED if c.d == 64] + [(c, {"FLASHPORT_HOPPER_BWD_WIND
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("case, switches", M128, ids=str)
 def test_m128_tile_conforms(case, switches, dtype, served, monkeypatch):
-    from flashport.kernels import attn_bwd_hopper
-    spy = attn_bwd_hopper.backward                  # the served fixture's counting wrapper
-    monkeypatch.setattr(attn_bwd_hopper, "backward", lambda *a, **kw: spy(*a, **kw, variant="m128_s2"))
-    check_served_with(switches, case.replace(dtype=dtype), served, monkeypatch)
+    check_served_with({"FLASHPORT_HOPPER_BWD_M128": "1", **switches}, case.replace(dtype=dtype), served, monkeypatch)
 
 
 # FLASHPORT_HOPPER_BWD_GROUP_LOOP=1: under GQA one program per K/V head walks its group's query heads, dK / dV summed

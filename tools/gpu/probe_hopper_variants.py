@@ -4,7 +4,8 @@ PERFLOG rows 78, 79), the two-part head dims 80 and 96 (FLASHPORT_HOPPER_FWD_SPL
 rows 81, 86), ALiBi in both directions (FLASHPORT_HOPPER_FWD_ALIBI, FLASHPORT_HOPPER_BWD_ALIBI; rows 82, 83) and
 the forward's wait for P V held after the softmax and its warpgroups' ping-pong (FLASHPORT_HOPPER_FWD_PIN,
 FLASHPORT_HOPPER_FWD_PINGPONG; rows 87, 88, the standard grid's cells) and the backward's dQ-first order
-(FLASHPORT_HOPPER_BWD_DQ_FIRST; row 89).  Per
+(FLASHPORT_HOPPER_BWD_DQ_FIRST; row 89), the backward's GQA group loop (FLASHPORT_HOPPER_BWD_GROUP_LOOP; row 90)
+and its 128-row Q tile at D=64 (FLASHPORT_HOPPER_BWD_M128; row 91).  Per
 case and setting: forward and backward milliseconds and TFLOP/s (visible pairs, FlashAttention's 2.5x convention
 for the backward), which kernels served, and the largest difference between each run's output and gradients and
 those of the first setting, relative to their scale.  Cases: issue [14]'s window 2048 over 16k (GQA 16/4),
@@ -33,7 +34,11 @@ PIN = (("gluon", {}), ("gluon pin", {"FLASHPORT_HOPPER_FWD_PIN": "1"}),
        ("gluon pingpong", {"FLASHPORT_HOPPER_FWD_PINGPONG": "1"}),
        ("gluon pin+pingpong", {"FLASHPORT_HOPPER_FWD_PIN": "1", "FLASHPORT_HOPPER_FWD_PINGPONG": "1"}))
 DQ_FIRST = (("gluon", {}), ("gluon dq first", {"FLASHPORT_HOPPER_BWD_DQ_FIRST": "1"}))
-SWITCHES = ("FLASHPORT_HOPPER_FWD_PIN", "FLASHPORT_HOPPER_FWD_PINGPONG", "FLASHPORT_HOPPER_BWD_DQ_FIRST", "FLASHPORT_HOPPER_FWD_WINDOW", "FLASHPORT_HOPPER_BWD_WINDOW", "FLASHPORT_HOPPER_FWD_SPLIT",
+GROUP_LOOP = (("gluon", {}), ("gluon group loop", {"FLASHPORT_HOPPER_BWD_GROUP_LOOP": "1"}))
+GROUP_LOOP_WINDOW = tuple((label, {**sw, "FLASHPORT_HOPPER_BWD_WINDOW": "1", "FLASHPORT_HOPPER_FWD_WINDOW": "1"})
+                          for label, sw in GROUP_LOOP)
+M128 = (("gluon", {}), ("gluon m128", {"FLASHPORT_HOPPER_BWD_M128": "1"}))
+SWITCHES = ("FLASHPORT_HOPPER_BWD_GROUP_LOOP", "FLASHPORT_HOPPER_BWD_M128", "FLASHPORT_HOPPER_FWD_PIN", "FLASHPORT_HOPPER_FWD_PINGPONG", "FLASHPORT_HOPPER_BWD_DQ_FIRST", "FLASHPORT_HOPPER_FWD_WINDOW", "FLASHPORT_HOPPER_BWD_WINDOW", "FLASHPORT_HOPPER_FWD_SPLIT",
             "FLASHPORT_HOPPER_FWD_ALIBI", "FLASHPORT_HOPPER_BWD_ALIBI", "FLASHPORT_HOPPER_BWD_SPLIT")
 CASES = [   # name, B, S, Hq, Hkv, D, call keywords, settings
     ("pin: D=128, S=8k, H=16", 2, 8192, 16, 16, 128, {}, PIN),
@@ -53,6 +58,13 @@ CASES = [   # name, B, S, Hq, Hkv, D, call keywords, settings
     ("D=80, S=1024, H=16 (DiT)", 16, 1024, 16, 16, 80, {}, SPLIT),
     ("D=80, S=4k, causal, GQA 16/4", 2, 4096, 16, 4, 80, dict(causal=True), SPLIT),
     ("ALiBi, S=16k, causal, H=16, D=128", 2, 16384, 16, 16, 128, dict(causal=True, alibi_slopes="per head"), ALIBI),
+    ("group loop: llama3-8b, B=4, S=4k, causal, GQA 32/8", 4, 4096, 32, 8, 128, dict(causal=True), GROUP_LOOP),
+    ("group loop: S=8k, causal, GQA 32/8", 1, 8192, 32, 8, 128, dict(causal=True), GROUP_LOOP),
+    ("group loop: D=64, S=4k, GQA 32/8", 2, 4096, 32, 8, 64, {}, GROUP_LOOP),
+    ("group loop: window 4096 / 16k, GQA 32/8", 1, 16384, 32, 8, 128, dict(window_size=(4096, 0)), GROUP_LOOP_WINDOW),
+    ("m128: D=64, S=16k, H=16", 1, 16384, 16, 16, 64, {}, M128),                 # issue [14]'s D=64 cell
+    ("m128: D=64, S=4k, causal, H=32", 4, 4096, 32, 32, 64, dict(causal=True), M128),
+    ("m128: D=64, S=1024, H=32", 16, 1024, 32, 32, 64, {}, M128),
 ]
 
 
