@@ -314,10 +314,10 @@ if gluon is not None:
               qk_scale, sm_scale, win_left, win_right, slope2, diag, WG: gl.constexpr, MASK: gl.constexpr,
               WINDOW: gl.constexpr, DQ_BUFS: gl.constexpr, RAGGED: gl.constexpr, ALIBI: gl.constexpr,
               SPLIT: gl.constexpr, DQ_FIRST: gl.constexpr):
-        """Q tile j (step i of this program, the t-th of its head): dK, dV updated, this warpgroup's half of dQ_j handed to the
-        producer through dq_smem.  SPLIT: S^T and dP^T sum the two column parts' products, dk1 / dv1 hold the
-        second part of dK / dV, and this warpgroup's part of dQ_j (k_half's columns) goes to dq_smem (WG 0) or
-        dq1_smem (WG 1); without SPLIT dk1 / dv1 come back as they came."""
+        """Q tile j (step i of this program, the t-th of its query head): dK, dV updated, this warpgroup's half of
+        dQ_j handed to the producer through dq_smem.  SPLIT: S^T and dP^T sum the two column parts' products, dk1 /
+        dv1 hold the second part of dK / dV, and this warpgroup's part of dQ_j (k_half's columns) goes to dq_smem
+        (WG 0) or dq1_smem (WG 1); without SPLIT dk1 / dv1 come back as they came."""
         dtype: gl.constexpr = q_smem.dtype
         STAGES: gl.constexpr = q_smem.shape[0]
         BLOCK_M: gl.constexpr = q_smem.shape[1]
@@ -338,8 +338,11 @@ if gluon is not None:
 
         mbarrier.wait(q_ready.index(s), (i // STAGES) & 1)
         # lse2_j: the producer's copy (complete with this q_ready phase), read in the layout it is used in, and
-        # before the matmuls are issued: their operand reads would queue up ahead of it in shared memory.
-        if BLOCK_M == 64:
+        # before the matmuls are issued: their operand reads would queue up ahead of it in shared memory.  Not so
+        # with 128-row tiles: there each of lse2 and Delta takes 32 registers per thread, and read early they spill
+        # 200-300 bytes (the sm_90a report), so both are read right before their use.
+        STATS_EARLY: gl.constexpr = BLOCK_M == 64
+        if STATS_EARLY:
             lse2 = stat_smem.index(s).load(col_s)
         s_tok = warpgroup_mma(k_wg, q_s.permute((1, 0)), zero, use_acc=False, is_async=True)
         if SPLIT:
@@ -370,7 +373,7 @@ if gluon is not None:
         if RAGGED:
             if (gl.program_id(0) + 1) * _BLOCK_N > seqlen_k:
                 s_t = gl.where(kv_rows[:, None] < seqlen_k, s_t, float("-inf"))
-        if BLOCK_M != 64:   # 32 registers per row vector at 128 columns: held only from here
+        if not STATS_EARLY:
             lse2 = stat_smem.index(s).load(col_s)
         if ALIBI:   # kernels/common.transform_log2's bias, as the forward that wrote lse2 added it.  (Split into a
             # row and a column term under causal, it would subtract two values of ~slope * S: 0.07% error in P at 16k.)
@@ -382,13 +385,13 @@ if gluon is not None:
         if SPLIT:
             p1_layout: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=dv1.type.layout, k_width=2)
             dv1_tok = warpgroup_mma(gl.convert_layout(p_t, p1_layout), do1_s, dv1, is_async=True)
-        if BLOCK_M == 64:
+        if STATS_EARLY:
             delta = stat_smem.index(STAGES + s).load(col_s)          # already times softmax_scale
         if SPLIT:
             dp_t = warpgroup_mma_wait(2, deps=[dp_tok])           # both parts of dV keep running
         else:
             dp_t = warpgroup_mma_wait(1, deps=[dp_tok])           # dV keeps running
-        if BLOCK_M != 64:
+        if not STATS_EARLY:
             delta = stat_smem.index(STAGES + s).load(col_s)
         # dS from the rounded P that dV used (as torch's low-precision math): P fp32 would hold 16 more
         # registers per thread across the dP wait, where this warpgroup peaks at 240.
