@@ -92,6 +92,23 @@ def test_recipe_pools_spread_head_dims_masks_and_features():
     assert recipe_pool(1, "full", DTYPES) != pool     # another seed, another pool
 
 
+def test_the_hopper_focus_draws_only_the_gluon_recipes():
+    """--entries hopper: attention calls from the Gluon kernels' recipes alone (windows, ALiBi, 80 / 96 among them),
+    a pure function of (seed, index) like every draw; unknown names and a focus without recipes (size small) are
+    ValueErrors naming the entries."""
+    cases = [draw_case(5, i, "full", DTYPES, ("hopper",)) for i in range(300)]
+    assert all(c.entry == "attention" and c.regime in ("gluon_fwd", "gluon_bwd", "gate") for c in cases)
+    assert any(c.window != (-1, -1) for c in cases) and any(c.alibi for c in cases)
+    assert {c.d for c in cases} >= {64, 128}
+    assert cases[7] == draw_case(5, 7, "full", DTYPES, ("hopper",))
+    with pytest.raises(ValueError, match="entries"):
+        draw_case(5, 0, "small", DTYPES, ("hopper",))
+    with pytest.raises(ValueError, match="entries"):
+        draw_case(5, 0, "full", DTYPES, ("decode",))
+    with pytest.raises(ValueError, match="entries"):
+        _run(n=1, entries=["attn"])
+
+
 # ----------------------------------------------------------------------------- the checks
 def test_blockwise_small_cases_pass():
     results, summary = _run(n=150, seed=5, backend="blockwise")

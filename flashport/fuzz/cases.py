@@ -34,6 +34,9 @@ from .recipes import (_GATE_M16, _GATE_N16, _SPECIAL_FULL, _SPECIAL_SMALL, FULL,
                       Recipe, _log_uniform_int, _wchoice, recipe_pool)
 
 ENTRIES = ("attention", "varlen", "kvcache", "merge")
+# Drawn only when named: "hopper" is attention calls from the Gluon kernels' recipes alone (their head dims, windows,
+# ALiBi, two-part head dims and gates), so a GPU minute gives hundreds of hits on the Hopper paths, not dozens.
+FOCUS_ENTRIES = ("hopper",)
 DTYPE_NAMES = ("bfloat16", "float16", "float32")
 
 # Gates of the Hopper kernels, copied here so that drawing a case never imports Triton (a case must be
@@ -384,8 +387,8 @@ def _merge(rng, c: FuzzCase, r: Recipe, prof: Profile) -> None:
     c.parts = tuple(sizes)
 
 
-_DRAW = {"attention": _attention, "varlen": _varlen, "kvcache": _kvcache, "merge": _merge}
-_ENTRY_WEIGHTS = {"attention": 0.55, "varlen": 0.17, "kvcache": 0.2, "merge": 0.08}
+_DRAW = {"attention": _attention, "varlen": _varlen, "kvcache": _kvcache, "merge": _merge, "hopper": _attention}
+_ENTRY_WEIGHTS = {"attention": 0.55, "varlen": 0.17, "kvcache": 0.2, "merge": 0.08, "hopper": 0.55}
 
 
 def draw_case(seed: int, index: int, size: str = "full", dtypes=DTYPE_NAMES, entries=ENTRIES) -> FuzzCase:
@@ -396,11 +399,18 @@ def draw_case(seed: int, index: int, size: str = "full", dtypes=DTYPE_NAMES, ent
         raise ValueError("no dtype to draw from (float16, bfloat16, float32)")
     rng = random.Random(f"flashport-fuzz/{seed}/{index}")
     c = FuzzCase(seed=seed, index=index, data_seed=rng.getrandbits(62))
-    c.entry = _wchoice(rng, tuple((e, _ENTRY_WEIGHTS[e]) for e in ENTRIES if e in entries))
-    pool = recipe_pool(seed, size, dtypes)[c.entry]
+    unknown = set(entries) - set(ENTRIES + FOCUS_ENTRIES)
+    if unknown or not entries:
+        raise ValueError(f"entries must name some of {', '.join(ENTRIES + FOCUS_ENTRIES)}, got {sorted(entries)}")
+    drawn = _wchoice(rng, tuple((e, _ENTRY_WEIGHTS[e]) for e in ENTRIES + FOCUS_ENTRIES if e in entries))
+    pool = recipe_pool(seed, size, dtypes)[drawn]
+    if not pool:
+        raise ValueError(f"entries {drawn!r}: no recipes at size {size!r} for dtypes {list(dtypes)} (the Hopper "
+                         "recipes need size 'full' and a 16-bit dtype)")
+    c.entry = "attention" if drawn == "hopper" else drawn
     c.recipe = rng.randrange(len(pool))
     r = pool[c.recipe]
     _apply(c, r, rng)
-    _DRAW[c.entry](rng, c, r, prof)
+    _DRAW[drawn](rng, c, r, prof)
     c.window = tuple(c.window)
     return c

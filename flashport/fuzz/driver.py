@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from .. import env
-from .cases import DTYPE_NAMES, ENTRIES, draw_case
+from .cases import DTYPE_NAMES, ENTRIES, FOCUS_ENTRIES, draw_case
 from .variants import GPU_CLASSES, Recorder, jit_cache_keys, variant_class
 
 FAILING = ("FAIL", "TIMEOUT", "CRASH")
@@ -398,7 +398,10 @@ def run_fuzz(n: int = 100, seed: int = 0, device=None, dtypes=None, backend: Opt
     if workers is None:
         workers = min(8, os.cpu_count() or 1) if dev.type == "cuda" else 1
     workers = max(1, min(int(workers), len(indices) or 1))
-    entries = tuple(e for e in ENTRIES if e in (entries or ENTRIES))
+    unknown = set(entries or ()) - set(ENTRIES + FOCUS_ENTRIES)
+    if unknown:
+        raise ValueError(f"entries: unknown {sorted(unknown)}; choose from {', '.join(ENTRIES + FOCUS_ENTRIES)}")
+    entries = tuple(e for e in ENTRIES + FOCUS_ENTRIES if e in (entries or ENTRIES))
     params = dict(seed=int(seed), size=size, dtypes=_dtype_names(dtypes, dev), backend=backend, device=device,
                   indices=indices, workers=workers, entries=entries, interpret=_interpreting(),
                   compiled=bool(compiled))
@@ -463,7 +466,8 @@ def cli(argv=None) -> int:
     p.add_argument("--size", choices=("small", "full"), default=None,
                    help="small: CI shapes (default on CPU); full: up to 8192 keys (default on CUDA)")
     p.add_argument("--max-seconds", type=float, default=None, help="start no case after this many seconds")
-    p.add_argument("--entries", default=None, help="comma-separated subset of " + ",".join(ENTRIES))
+    p.add_argument("--entries", default=None, help="comma-separated subset of " + ",".join(ENTRIES) + "; or hopper: "
+                   "attention calls from the Gluon kernels' recipes only (size full)")
     p.add_argument("--compiled", action="store_true", help="call the entry points through torch.compile")
     a = p.parse_args(argv)
     cases = [int(x) for x in a.case.split(",")] if a.case else None

@@ -238,4 +238,5 @@ def recipe_pool(seed: int, size: str, dtypes: tuple) -> dict:
     return {"attention": _general_recipes(rng, prof, "attention", pool["attention"] - len(hopper), dtypes) + hopper,
             "varlen": _general_recipes(rng, prof, "varlen", pool["varlen"], dtypes),
             "kvcache": _kv_recipes(rng, prof, pool["kvcache"], dtypes),
-            "merge": _merge_recipes(rng, prof, pool["merge"], dtypes)}
+            "merge": _merge_recipes(rng, prof, pool["merge"], dtypes),
+            "hopper": hopper}
