@@ -109,6 +109,28 @@ def test_the_hopper_focus_draws_only_the_gluon_recipes():
         _run(n=1, entries=["attn"])
 
 
+def test_gluon_hits_name_the_switched_variants(monkeypatch):
+    """A served Gluon call is also counted under each switched variant it ran (gluon_bwd:window, ...:alibi, ...:split,
+    the backward's m128 and group_loop where their switches are on), so a GPU run shows hits per variant."""
+    from flashport.fuzz.variants import gluon_features
+    from flashport.spec import dense_spec
+
+    def spec(d, hq, hkv, **kw):
+        q, k = torch.zeros(1, 256, hq, d), torch.zeros(1, 256, hkv, d)
+        args = dict(causal=False, softmax_scale=None, window_size=(-1, -1), softcap=0.0, alibi_slopes=None,
+                    dropout_p=0.0, deterministic=False, return_lse=False)
+        return dense_spec(q, k, k, **{**args, **kw})[0]
+
+    assert gluon_features(spec(128, 4, 4), backward=True) == []
+    assert gluon_features(spec(96, 8, 2, window_size=(64, 0), alibi_slopes=torch.ones(8)), backward=False) == [
+        "window", "alibi", "split"]
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_M128", "1")
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_GROUP_LOOP", "1")
+    assert gluon_features(spec(64, 8, 2), backward=True) == ["m128", "group_loop"]
+    assert gluon_features(spec(64, 8, 2), backward=False) == []
+    assert variant_class("gluon_bwd:window") == "gluon_bwd"
+
+
 # ----------------------------------------------------------------------------- the checks
 def test_blockwise_small_cases_pass():
     results, summary = _run(n=150, seed=5, backend="blockwise")

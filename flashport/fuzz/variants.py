@@ -6,7 +6,10 @@ Labels (one case may hit several):
   fwd:<cfg> / bwd_dkdv:<cfg> / bwd_dq:<cfg>
                             the KernelConfig tuning.launch_with_fallback launched, as seen by
                             kernels/attn_fwd.py and attn_bwd.py, e.g. "fwd:128x64w8s3" (+"split")
-  gluon_fwd / gluon_bwd     attn_fwd_hopper.forward / attn_bwd_hopper.backward served (returned non-None)
+  gluon_fwd / gluon_bwd     attn_fwd_hopper.forward / attn_bwd_hopper.backward served (returned non-None), with
+                            gluon_fwd:<feature> / gluon_bwd:<feature> for the variants behind switches it ran
+                            (window, alibi, split: head dims 80 / 96; the backward's m128 and group_loop), so a
+                            run counts the hits of each
   gluon_fwd_declined / ..   they returned None (failed to compile; the Triton kernels served)
   decode:single / decode:splitkv
                             the KV-cache kernel's launch plan (decode.plan_for) had 1 / > 1 key splits
@@ -143,6 +146,9 @@ class Recorder:
             result = real(*a, **kw)
             if not kw.get("warmup"):
                 self.hit(label if result is not None else label + "_declined")
+                if result is not None and a:
+                    for feature in gluon_features(a[0], backward=label == "gluon_bwd"):
+                        self.hit(f"{label}:{feature}")
             return result
         return wrapper
 
@@ -153,6 +159,18 @@ class Recorder:
                 self.hit("decode:single" if plan.num_splits == 1 else "decode:splitkv")
             return plan
         return plan_for
+
+
+def gluon_features(spec, backward: bool) -> list[str]:
+    """The switched variants of the Gluon kernels a served call ran (kernels/attn_{fwd,bwd}_hopper.py)."""
+    out = [name for name, on in (("window", spec.visibility.kind == "window"), ("alibi", spec.alibi is not None),
+                                 ("split", spec.head_dim in (80, 96))) if on]
+    if backward:
+        if spec.head_dim == 64 and env.flag("FLASHPORT_HOPPER_BWD_M128"):
+            out.append("m128")
+        if spec.group_size > 1 and env.flag("FLASHPORT_HOPPER_BWD_GROUP_LOOP"):
+            out.append("group_loop")
+    return out
 
 
 def _kernels_usable(device) -> bool:
