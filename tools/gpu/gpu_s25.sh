@@ -1,0 +1,40 @@
+#!/usr/bin/env bash
+# The 25th session's device calls.  What decides whether the Gluon variants behind switches go on by default: the
+# 24th session's H100 calls passed 80 of the 95 variant GPU-tier cases (both dtypes; none failed) and the GPU fuzz
+# with their switches on (400 cases, 37 Gluon hits); the rule is hundreds of fuzz hits, which the fuzz's Hopper focus
+# (--entries hopper: ~350 of 400 cases on a Gluon regime) gives in one call.  Each part returns $OUT/<part>.tgz.
+#   PART=f (one call, ~430 s, any sm_90 card, no FA4): the Hopper-focused fuzz with the window / ALiBi / split
+#          switches on (per-variant hits in the summary: gluon_fwd:window, gluon_bwd:split, ...); the 15 variant
+#          cases the 24th session did not reach (the forward's ALiBi cases, one fp16 split case); the SDXL
+#          cross-attention cell taken apart (tools/gpu/probe_cell.py, PERFLOG row 92)
+#   PART=a (carry .fa4a, results/ moved out of the tree) then PART=b (carry .fa4b, within 30 s), on an H200: FA4's
+#          two steps; the workloads and programmable suites with FA4's column, the variant switches as flashport/env.py
+#          has them (on by default once part f passes: then also `flashport tune --suite workloads` for their buckets)
+SESSION=s25; . "$(dirname "$0")/session.sh"
+variants_on() { export FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW=1 FLASHPORT_HOPPER_FWD_SPLIT=1 \
+    FLASHPORT_HOPPER_BWD_SPLIT=1 FLASHPORT_HOPPER_FWD_ALIBI=1 FLASHPORT_HOPPER_BWD_ALIBI=1; }
+case "$PART" in
+f) ( variants_on
+     timeout ${FUZZ_SECONDS:-230} python -m flashport.fuzz --entries hopper --n ${FUZZ_N:-900} --seed 25 \
+         --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-230} - 40 )) \
+         --log "$R/fuzz_hopper.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_hopper.log"
+     echo "fuzz rc=${PIPESTATUS[0]}"; grep -E "status:|gluon" "$R/fuzz_hopper.log" | head -24 ); save
+   mkdir -p "$R/tier"
+   timeout ${VARIANT_SECONDS:-110} python -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rfE \
+       tests/gpu/test_hopper_fwd_gpu.py -k "alibi_calls or (split_head and torch.float16)" -W ignore > "$R/tier/fwd_rest.log" 2>&1
+   echo "fwd rest rc=$? $(grep -E '[0-9]+ (passed|failed)' "$R/tier/fwd_rest.log" | tail -1)"
+   grep -E "^FAILED|Error" "$R/tier/fwd_rest.log" | cut -c1-240 | head -12; save
+   timeout ${CELL_SECONDS:-70} python tools/gpu/probe_cell.py --out "$R/cell_sdxl.json" 2>&1 | grep -v "Warning" \
+       | head -60 ;;
+a) fa4_step1 ;;
+b) fa4_step2; mkdir -p "$R/workloads" "$R/programmable"
+   timeout ${WORK_SECONDS:-330} python -m flashport bench --suite workloads --out "$R/workloads" \
+       --peers flashport,flashport-triton,fa4,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(\|exe_args" \
+       > "$R/workloads/bench.log"
+   echo "workloads rc=${PIPESTATUS[0]}"; tail -30 "$R/workloads/bench.log" | cut -c1-160; save
+   timeout ${MASK_SECONDS:-200} python -m flashport bench --suite programmable --out "$R/programmable" \
+       --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin,builtin-fa4 2>&1 \
+       | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
+   echo "programmable rc=${PIPESTATUS[0]}"; grep -E " ok | failed " "$R/programmable/bench.log" | cut -c1-110 ;;
+esac
+save; ls -la "$OUT"
