@@ -62,6 +62,10 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_HOPPER_BWD_WINDOW", "0", "1: the Hopper backward serves sliding windows (Sq == Sk; tiles outside "
                                                "the band skipped), which the Triton kernels serve otherwise (off until "
                                                "a GPU run checks and times it: PERFLOG row 78)"),
+    Switch("FLASHPORT_DECODE_FIXED_CHUNKS", "0", "1: the KV-cache kernel cuts every sequence into key chunks of one size "
+                                                 "(the capacity's share per split), not each sequence's own keys "
+                                                 "into num_splits shares: ragged batches run fewer, fuller programs "
+                                                 "(off until a GPU run times it: PERFLOG row 93)"),
     Switch("FLASHPORT_HOPPER_BWD_M128", "0", "1: the Hopper backward at D=64 takes 128 query rows per step (FA3's and "
                                              "FA4's tile: half the steps, and their fixed costs, per K/V tile; off "
                                              "until a GPU run checks and times it: PERFLOG row 91)"),

@@ -38,7 +38,7 @@ from .splitkv import (DecodeConfig, choose_config, choose_num_splits, device_fac
 MAX_HEAD_DIM = 256
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["chunk_tiles"])
 def _kvcache_split_kernel(
     Q, K, V, SEQLENS_K, BLOCK_TABLE, SLOPES, OUT, LSE,
     stride_qb, stride_qs, stride_qh,
@@ -48,7 +48,7 @@ def _kvcache_split_kernel(
     stride_ab, stride_ah,                     # ALiBi slopes [B, Hq] (stride_ab = 0 for [Hq])
     stride_os, stride_ob, stride_oq, stride_oh,
     stride_ls, stride_lb, stride_lh, stride_lq,
-    seqlen_q, heads_kv, num_splits,
+    seqlen_q, heads_kv, num_splits, chunk_tiles,
     qk_scale, cap_in, cap_out, window_left, window_right,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -82,7 +82,11 @@ def _kvcache_split_kernel(
     lo, hi = key_range(i_first, i_last + 1, seqlen_k, diag, window_left, window_right, HAS_LEFT, HAS_RIGHT)
     lo = (lo // BLOCK_N) * BLOCK_N                              # lo >= 0: tiles start on multiples
     n_tiles = tl.where(hi > lo, (hi - lo + BLOCK_N - 1) // BLOCK_N, 0)
-    tiles_per_split = (n_tiles + num_splits - 1) // num_splits
+    # chunk_tiles > 0 (FLASHPORT_DECODE_FIXED_CHUNKS=1): every sequence in chunks of one size, the capacity's share
+    # per split, so a short sequence of a ragged batch runs a few full programs and leaves its other splits empty
+    # (lse -inf) instead of cutting its few tiles into num_splits slivers; num_splits * chunk_tiles covers the
+    # capacity, so no sequence's keys are left over.  0: each sequence's tiles shared out over the splits.
+    tiles_per_split = tl.where(chunk_tiles > 0, chunk_tiles, (n_tiles + num_splits - 1) // num_splits)
     n_start = lo + split * tiles_per_split * BLOCK_N
     n_end = tl.minimum(hi, n_start + tiles_per_split * BLOCK_N)
 
@@ -301,6 +305,8 @@ def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: i
     seqlens = valid_lengths(spec, inputs)
 
     splits = plan.num_splits
+    fixed = splits > 1 and env.flag("FLASHPORT_DECODE_FIXED_CHUNKS")
+    chunk_tiles = triton.cdiv(triton.cdiv(spec.seqlen_k, plan.cfg.BLOCK_N), splits) if fixed else 0
     if splits == 1:
         o_buf, l_buf = out, lse
         o_strides, l_strides = (0, *out.stride()[:3]), (0, *lse.stride())
@@ -320,7 +326,7 @@ def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: i
             q, k_cache, v_cache, seqlens, block_table, slopes, o_buf, l_buf,
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
             *a_strides, *o_strides, *l_strides,
-            sq, spec.heads_kv, splits,
+            sq, spec.heads_kv, splits, chunk_tiles,
             plan.qk_scale, plan.cap_in, plan.cap_out, spec.window_left, spec.window_right,
             **plan.constexprs,
         )

@@ -249,6 +249,18 @@ def test_splits_agree_with_one_split():
         torch.testing.assert_close(lse, lse1, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("name", ["paged16-straddle", "paged128-chunk", "window-causal", "row-blocks-window",
+                                  "dense-gqa-f16-zero-len", "paged48-verify-f16"])
+def test_fixed_chunks_conform(name, monkeypatch):
+    """FLASHPORT_DECODE_FIXED_CHUNKS=1: every sequence in chunks of the capacity's share per split (short sequences
+    leave their last splits empty); ragged lengths, pages that tiles straddle, windows, row blocks, empty sequences,
+    several split counts, against the reference."""
+    monkeypatch.setenv("FLASHPORT_DECODE_FIXED_CHUNKS", "1")
+    case = CASES[name]
+    for splits in {case.num_splits or 2, 3, 5}:
+        check(case.replace(num_splits=splits))
+
+
 def test_public_api_triton_backend():
     names = [b.name for b in flashport.backends()]
     if "triton" not in names:

@@ -6,7 +6,8 @@
 #   PART=f (one call, ~430 s, any sm_90 card, no FA4): the Hopper-focused fuzz with the window / ALiBi / split
 #          switches on (per-variant hits in the summary: gluon_fwd:window, gluon_bwd:split, ...); the 15 variant
 #          cases the 24th session did not reach (the forward's ALiBi cases, one fp16 split case); the SDXL
-#          cross-attention cell taken apart (tools/gpu/probe_cell.py, PERFLOG row 92)
+#          cross-attention cell taken apart (tools/gpu/probe_cell.py, PERFLOG row 92); ragged paged decode with
+#          FLASHPORT_DECODE_FIXED_CHUNKS 0 / 1 alternating (row 93)
 #   PART=a (carry .fa4a, results/ moved out of the tree) then PART=b (carry .fa4b, within 30 s), on an H200: FA4's
 #          two steps; the workloads and programmable suites with FA4's column, the variant switches as flashport/env.py
 #          has them (on by default once part f passes: then also `flashport tune --suite workloads` for their buckets)
@@ -25,7 +26,11 @@ f) ( variants_on
    echo "fwd rest rc=$? $(grep -E '[0-9]+ (passed|failed)' "$R/tier/fwd_rest.log" | tail -1)"
    grep -E "^FAILED|Error" "$R/tier/fwd_rest.log" | cut -c1-240 | head -12; save
    timeout ${CELL_SECONDS:-70} python tools/gpu/probe_cell.py --out "$R/cell_sdxl.json" 2>&1 | grep -v "Warning" \
-       | head -60 ;;
+       | head -60; save
+   for fixed in 0 1 0 1; do   # PERFLOG row 93: ragged paged decode with the fixed key chunks, alternating
+     FLASHPORT_DECODE_FIXED_CHUNKS=$fixed timeout 60 python -m flashport bench --suite workloads --match "ragged|spec-verify" \
+         --peers flashport,sdpa-cudnn --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged|verify" | tail -4
+   done ;;
 a) fa4_step1 ;;
 b) fa4_step2; mkdir -p "$R/workloads" "$R/programmable"
    timeout ${WORK_SECONDS:-330} python -m flashport bench --suite workloads --out "$R/workloads" \
