@@ -117,6 +117,17 @@ class Table:
         return self.buckets[min(near)[1]] if near else None
 
 
+def card_of(path: Path) -> str | None:
+    """The GPU a selection table file was measured on (None: no such file, not a table, or a CPU table)."""
+    try:
+        doc = json.loads(Path(path).read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
+        return None
+    return (doc.get("key") or {}).get("gpu")
+
+
 def _read(path: Path, want: dict) -> tuple[Table | None, str | None]:
     """(table, None) or (None, why it is not used)."""
     try:

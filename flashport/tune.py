@@ -162,8 +162,15 @@ def tune(shapes, device, path=None, tick=lambda: None, rounds: int = 2) -> tuple
     device = torch.device(device)
     rows = []
     path = path or table.user_path(device)
-    # measurements of this machine already there are kept (merged per bucket); table._read says which count
-    old, _ = table._read(Path(path), table.machine_key(device)) if Path(path).exists() else (None, None)
+    # measurements of this machine already there are kept (merged per bucket); table._read says which count.  A
+    # table of another card is never overwritten: tables are per card (a tune on an H100 pointed at the shipped
+    # H200 table replaced its buckets with the H100's few, 24th session, on a scratch copy).
+    here = table.machine_key(device)
+    theirs = table.card_of(Path(path))
+    if theirs is not None and theirs != here.get("gpu"):
+        raise ValueError(f"out: {path} holds a selection table measured on {theirs!r}; this is {here.get('gpu')!r}. "
+                         f"Tables are per card: write this one elsewhere (default {table.user_path(device)})")
+    old, _ = table._read(Path(path), here) if Path(path).exists() else (None, None)
     buckets = old.buckets if old is not None else {}
     for shape in shapes:
         if shape.kind not in TUNED_KINDS:

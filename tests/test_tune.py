@@ -101,3 +101,17 @@ def test_training_calls_are_chosen_by_their_training_forward(monkeypatch, tmp_pa
     monkeypatch.setenv("FLASHPORT_TABLE", str(path))
     table.reload()
     assert table.best(spec, plans) is plans[0]
+
+
+def test_tune_never_overwrites_another_cards_table(tmp_path):
+    """`flashport tune --out` on a table measured on another card refuses (naming the argument and both cards)
+    before measuring anything, and leaves the file as it was; a table of this machine is merged into."""
+    from flashport import table
+    path = tmp_path / "selection-nvidia-h200.json"
+    doc = {"format": table.FORMAT, "key": {**table.machine_key("cpu"), "gpu": "NVIDIA H200"},
+           "buckets": {"dense|d64": {"fwd": {"triton": 1.0}}}}
+    path.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match="out: .*NVIDIA H200"):
+        tune.tune([Shape("tiny", 1, 16, 16, 2, 2, 16)], "cpu", path=str(path), rounds=1)
+    assert json.loads(path.read_text()) == doc
+    assert table.card_of(tmp_path / "missing.json") is None and table.card_of(path) == "NVIDIA H200"
