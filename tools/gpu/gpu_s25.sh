@@ -9,8 +9,9 @@
 #          cross-attention cell taken apart (tools/gpu/probe_cell.py, PERFLOG row 92); ragged paged decode with
 #          FLASHPORT_DECODE_FIXED_CHUNKS 0 / 1 alternating (row 93)
 #   PART=a (carry .fa4a, results/ moved out of the tree) then PART=b (carry .fa4b, within 30 s), on an H200: FA4's
-#          two steps; the workloads and programmable suites with FA4's column, the variant switches as flashport/env.py
-#          has them (on by default once part f passes: then also `flashport tune --suite workloads` for their buckets)
+#          two steps, then the workloads suite with FA4's column; PART=c on the same warm machine: the programmable
+#          suite.  The variant switches as flashport/env.py has them (on by default once part f passes: then also
+#          `flashport tune --suite workloads` on the H200 for their buckets; tune refuses another card's table)
 SESSION=s25; . "$(dirname "$0")/session.sh"
 variants_on() { export FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW=1 FLASHPORT_HOPPER_FWD_SPLIT=1 \
     FLASHPORT_HOPPER_BWD_SPLIT=1 FLASHPORT_HOPPER_FWD_ALIBI=1 FLASHPORT_HOPPER_BWD_ALIBI=1; }
@@ -32,12 +33,13 @@ f) ( variants_on
          --peers flashport,sdpa-cudnn --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged|verify" | tail -4
    done ;;
 a) fa4_step1 ;;
-b) fa4_step2; mkdir -p "$R/workloads" "$R/programmable"
-   timeout ${WORK_SECONDS:-330} python -m flashport bench --suite workloads --out "$R/workloads" \
+b) fa4_step2; mkdir -p "$R/workloads"   # 17 shapes x 6 peers: ~4.4 s a run on the H100 (24th session), 7-8 min
+   timeout ${WORK_SECONDS:-540} python -m flashport bench --suite workloads --out "$R/workloads" \
        --peers flashport,flashport-triton,fa4,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(\|exe_args" \
        > "$R/workloads/bench.log"
-   echo "workloads rc=${PIPESTATUS[0]}"; tail -30 "$R/workloads/bench.log" | cut -c1-160; save
-   timeout ${MASK_SECONDS:-200} python -m flashport bench --suite programmable --out "$R/programmable" \
+   echo "workloads rc=${PIPESTATUS[0]}"; tail -30 "$R/workloads/bench.log" | cut -c1-160 ;;
+c) fa4_env; mkdir -p "$R/programmable"   # the same warm machine, after b
+   timeout ${MASK_SECONDS:-400} python -m flashport bench --suite programmable --out "$R/programmable" \
        --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin,builtin-fa4 2>&1 \
        | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
    echo "programmable rc=${PIPESTATUS[0]}"; grep -E " ok | failed " "$R/programmable/bench.log" | cut -c1-110 ;;
