@@ -120,13 +120,14 @@ def rejecting_launcher():
     return DirectLauncher(Rejecting())
 
 
-def check_served_with(switches: dict, case: Case, served: list, monkeypatch, device="cuda") -> None:
-    """check_dense on backend=None (gradients included) with these environment switches set, and the kernel that
-    `served` counts (served_calls) must have served the call: a variant behind a switch is checked where it runs.
-    The selection table is off (FLASHPORT_TABLE=off): a measured bucket nearby may send the call to a peer."""
+def check_served_with(switches: dict, case: Case, served: list, monkeypatch, device="cuda", backend=None) -> None:
+    """check_dense on `backend` (default backend=None; gradients included) with these environment switches set, and
+    the kernel that `served` counts (served_calls) must have served the call: a variant behind a switch is checked
+    where it runs.  The selection table is off (FLASHPORT_TABLE=off): a measured bucket nearby may send the call to
+    a peer."""
     for name, value in {"FLASHPORT_TABLE": "off", **switches}.items():
         monkeypatch.setenv(name, value)
-    check_dense(None, case, device, grads=True)
+    check_dense(backend, case, device, grads=True)
     assert served, f"the kernel behind {', '.join(switches)} did not serve {case}"
 
 

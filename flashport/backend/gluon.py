@@ -20,7 +20,7 @@ from __future__ import annotations
 from ..capabilities import Capabilities
 from ..spec import AttnSpec
 from ..kernels import versions
-from .triton import TritonBackend, _interpreting
+from .triton import TritonBackend, _interpreting, cudnn_trains_faster
 
 FWD_HEAD_DIMS = (64, 80, 96, 128, 256)   # 80, 96: two column parts (attn_fwd_hopper.TILES), behind their switch
 BWD_HEAD_DIMS = (64, 80, 96, 128)   # 80, 96: two column parts (attn_bwd_hopper.SPLIT), behind their switch
@@ -65,6 +65,8 @@ class GluonBackend(TritonBackend):
     def prefers(self, spec: AttnSpec, role: str) -> bool:
         if role == "bwd":
             return True
+        if cudnn_trains_faster(spec):   # its training forward pairs with the Triton backward at D=256
+            return False
         from ..kernels import attn_fwd_hopper
         floor = attn_fwd_hopper.min_keys(spec.head_dim, attn_fwd_hopper.is_causal(spec))
         return floor is not None and min(spec.seqlen_q, spec.seqlen_k) >= floor
