@@ -302,7 +302,11 @@ def cmd_tune(args) -> int:
     suites = ("standard", "models", "workloads") if args.suite == "all" else (args.suite,)
     shapes = [s for name in suites for s in gpu_suite(name, args.quick)
               if args.match is None or re.search(args.match, s.label())]
-    path, rows = tune(shapes, device, args.out, rounds=args.rounds)
+    try:
+        path, rows = tune(shapes, device, args.out, rounds=args.rounds)
+    except ValueError as e:   # e.g. --out names a table measured on another card
+        print(f"flashport tune: {e}")
+        return 2
     for r in rows:
         fwd = min(r["fwd"], key=r["fwd"].get) if r["fwd"] else "-"
         bwd = min(r["bwd"], key=r["bwd"].get) if r["bwd"] else "-"

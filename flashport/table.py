@@ -123,9 +123,8 @@ def card_of(path: Path) -> str | None:
         doc = json.loads(Path(path).read_text())
     except (OSError, ValueError):
         return None
-    if not isinstance(doc, dict) or doc.get("format") != FORMAT:
-        return None
-    return (doc.get("key") or {}).get("gpu")
+    key = doc.get("key") if isinstance(doc, dict) and doc.get("format") == FORMAT else None
+    return key.get("gpu") if isinstance(key, dict) else None
 
 
 def _read(path: Path, want: dict) -> tuple[Table | None, str | None]:

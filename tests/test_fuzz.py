@@ -107,6 +107,9 @@ def test_the_hopper_focus_draws_only_the_gluon_recipes():
         draw_case(5, 0, "full", DTYPES, ("decode",))
     with pytest.raises(ValueError, match="entries"):
         _run(n=1, entries=["attn"])
+    with pytest.raises(ValueError, match="entries \\['hopper'\\]: no recipes"):   # before any case is drawn
+        _run(n=2, entries=["attention", "hopper"])
+    assert _run(n=2, entries="merge")[1]["status"].get("PASS") == 2          # a comma-separated string too
 
 
 def test_gluon_hits_name_the_switched_variants(monkeypatch):

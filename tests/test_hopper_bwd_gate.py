@@ -79,7 +79,8 @@ def test_gate_reaches_the_device_checks_for_a_servable_call(monkeypatch, bwd):
 
 def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, bwd):
     """Safe fallback: if the toolchain rejects the Gluon kernel, backward() warns once and returns None (the
-    caller runs the Triton kernels), and the gate declines that variant from then on."""
+    caller runs the Triton kernels), and the gate declines that variant from then on -- not another head dim, nor
+    the same call with a switched variant (broken_key)."""
     if bwd.gluon is None:
         pytest.skip("Gluon not installed")
     monkeypatch.setattr(bwd, "_launch", rejecting_launcher())
@@ -90,12 +91,16 @@ def test_a_kernel_that_fails_to_compile_switches_itself_off(monkeypatch, bwd):
     lse = torch.zeros(1, 2, 256)
     with pytest.warns(RuntimeWarning, match="failed to compile"):
         assert bwd.backward(spec, q, q, q, q, q, lse, lse) is None
-    assert "ptxas: unsupported" in bwd.broken[(torch.bfloat16, 128, "causal", False, q.device)]
+    assert "ptxas: unsupported" in bwd.broken[(torch.bfloat16, 128, "causal", False, q.device, "s2_tma2_lse", False,
+                                               False)]
     gpu_spec, gq, gk = _spec(causal=True)
-    bwd.broken[(gpu_spec.dtype, 128, "causal", False, gpu_spec.device)] = "RuntimeError: ptxas: unsupported"
+    bwd.broken[bwd.broken_key(gpu_spec)] = "RuntimeError: ptxas: unsupported"
     monkeypatch.setattr(bwd, "enabled", lambda: True)
     assert "failed to compile" in bwd.reasons(gpu_spec, gq, gk, gk, gq)[0]
     monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_DQ_FIRST", "1")   # a switched variant is another compilation
+    assert bwd.reasons(gpu_spec, gq, gk, gk, gq) == []
+    monkeypatch.delenv("FLASHPORT_HOPPER_BWD_DQ_FIRST")
     spec64, q64, k64 = _spec(causal=True, d=64)   # another head dim is another compilation
     assert bwd.reasons(spec64, q64, k64, k64, q64) == []
 

@@ -115,3 +115,5 @@ def test_tune_never_overwrites_another_cards_table(tmp_path):
         tune.tune([Shape("tiny", 1, 16, 16, 2, 2, 16)], "cpu", path=str(path), rounds=1)
     assert json.loads(path.read_text()) == doc
     assert table.card_of(tmp_path / "missing.json") is None and table.card_of(path) == "NVIDIA H200"
+    (tmp_path / "odd.json").write_text(json.dumps({"format": table.FORMAT, "key": "H200"}))
+    assert table.card_of(tmp_path / "odd.json") is None

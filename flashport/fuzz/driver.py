@@ -19,7 +19,7 @@ from typing import Optional
 import torch
 
 from .. import env
-from .cases import DTYPE_NAMES, ENTRIES, FOCUS_ENTRIES, draw_case
+from .cases import DTYPE_NAMES, ENTRIES, FOCUS_ENTRIES, draw_case, recipe_pool
 from .variants import GPU_CLASSES, Recorder, jit_cache_keys, variant_class
 
 FAILING = ("FAIL", "TIMEOUT", "CRASH")
@@ -398,11 +398,18 @@ def run_fuzz(n: int = 100, seed: int = 0, device=None, dtypes=None, backend: Opt
     if workers is None:
         workers = min(8, os.cpu_count() or 1) if dev.type == "cuda" else 1
     workers = max(1, min(int(workers), len(indices) or 1))
+    if isinstance(entries, str):
+        entries = [e.strip() for e in entries.split(",")]
     unknown = set(entries or ()) - set(ENTRIES + FOCUS_ENTRIES)
     if unknown:
         raise ValueError(f"entries: unknown {sorted(unknown)}; choose from {', '.join(ENTRIES + FOCUS_ENTRIES)}")
     entries = tuple(e for e in ENTRIES + FOCUS_ENTRIES if e in (entries or ENTRIES))
-    params = dict(seed=int(seed), size=size, dtypes=_dtype_names(dtypes, dev), backend=backend, device=device,
+    names = _dtype_names(dtypes, dev)
+    empty = [e for e in entries if not recipe_pool(int(seed), size, tuple(names))[e]]
+    if empty:   # found here, before any worker draws a case
+        raise ValueError(f"entries {empty}: no recipes at size {size!r} for dtypes {list(names)} (the hopper focus "
+                         "needs size 'full' and a 16-bit dtype)")
+    params = dict(seed=int(seed), size=size, dtypes=names, backend=backend, device=device,
                   indices=indices, workers=workers, entries=entries, interpret=_interpreting(),
                   compiled=bool(compiled))
     run = _Run(params, log, verbose, out)

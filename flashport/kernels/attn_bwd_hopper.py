@@ -7,7 +7,8 @@ those adds (and so the last bits of dQ) depends on scheduling: this path only se
 deterministic=False; deterministic=True keeps the Triton kernels (bitwise reproducible).
 
 One program per (128-row K/V tile n, query head h, batch entry b); grid (Sk / 128, B * Hq); three roles:
-* a producer (4 warps) TMA-loads the K and V tiles once, then Q_j and dO_j (BLOCK_M = 64 rows each) into a
+* a producer (4 warps) TMA-loads the K and V tiles once, then Q_j and dO_j (BLOCK_M = 64 rows each; 128 in the
+  m128_s2 variant at D=64, FLASHPORT_HOPPER_BWD_M128) into a
   STAGES-deep shared-memory ring, with Q_j's lse2 and Delta rows (q_ready / do_ready, qdo_empty released by
   both consumers once every matmul reading the stage has retired); it also drains dQ_j: one TMA
   reduce-add (cp.reduce.async.bulk.tensor) per warpgroup half from a shared buffer into dq_accum;
@@ -26,11 +27,13 @@ One program per (128-row K/V tile n, query head h, batch entry b); grid (Sk / 12
   step i + 1, which the other warpgroup signals after its dQ matmul of step i (the last reader) retired.
   DQ_FIRST (FLASHPORT_HOPPER_BWD_DQ_FIRST=1, until timed): FA3's and FA4's step end instead -- after ds_ready,
   dQ_j is issued before dK (which reads dS^T from registers), and dK runs while dQ_j is stored.
-Causal (Sq == Sk): K/V tile n meets Q tiles 2n, 2n + 1 (masked) and the unmasked ones after; lower n
-has more work, so programs start with n = 0.  Sliding windows (WINDOW, behind FLASHPORT_HOPPER_BWD_WINDOW=1
-until a GPU run checks them; Sq == Sk): K/V tile n walks only the Q tiles whose rows see one of its keys
-(_q_tiles), and a warpgroup masks a tile only where it crosses the band's edge for its 64 keys.  GQA: dK / dV are written as float32 partials per query
-head and summed per group afterwards (as attn_bwd.py); dQ accumulates per query head.
+Causal (Sq == Sk): K/V tile n meets Q tiles 2n, 2n + 1 (masked; with 128-row tiles Q tile n) and the unmasked
+ones after; lower n has more work, so programs start with n = 0.  Sliding windows (WINDOW, behind
+FLASHPORT_HOPPER_BWD_WINDOW=1 until a GPU run checks them; Sq == Sk): K/V tile n walks only the Q tiles whose rows see one of its keys
+(_q_tiles), and a warpgroup masks a tile only where it crosses the band's edge for its 64 keys.  GQA: dK / dV are
+written as float32 partials per query head and summed per group afterwards (as attn_bwd.py), or, with GROUP > 1
+(FLASHPORT_HOPPER_BWD_GROUP_LOOP=1; grid (Sk / 128, B * Hkv)), one program walks its K/V head's query heads in turn
+and writes the group's sums once; dQ accumulates per query head either way.
 
 Equivalent PyTorch math (per batch entry and query head, s = softmax_scale, K/V of head h // G):
     P = exp(s * Q K^T - lse);  dV = P^T dO;  dP = dO V^T;  Delta = rowsum(dO * O) (- dlse)
@@ -154,7 +157,7 @@ def spec_reasons(spec) -> list[str]:
         return ["sequence length * head dim must fit in int32 (per-head offsets are 32-bit)"]
     if not enabled():
         return [f"Gluon (Triton {tested_text()}) unavailable or FLASHPORT_HOPPER_BWD=0"]
-    failed = broken.get(variant_key(spec))
+    failed = broken.get(broken_key(spec))
     if failed:
         return ["failed to compile here: " + failed]
     if _capability(spec.device.index if spec.device.index is not None else torch.cuda.current_device()) != (9, 0):
@@ -235,7 +238,7 @@ if gluon is not None:
         SPLIT: warpgroup 0's part of buffer u is dq_smem[u] (columns [0, D0)), warpgroup 1's dq1_smem[u] (the rest)."""
         u = t % DQ_BUFS
         mbarrier.wait(dq_bars.index(u), (t // DQ_BUFS) & 1)
-        # Without SPLIT, dq_smem [2 DQ_BUFS, 64, D / 2]: warpgroup WG's half of buffer u (index 2 u + WG) goes to
+        # Without SPLIT, dq_smem [2 DQ_BUFS, BLOCK_M, D / 2]: warpgroup WG's half of buffer u (index 2 u + WG) goes to
         # columns [WG D / 2, (WG + 1) D / 2) of head h.  The consumers fenced their stores for the async proxy; store_wait(0)
         # returns once the copy engine has read both halves (not once the adds landed: only the kernel's end
         # orders those, and nothing reads dq_accum before it).
@@ -639,11 +642,18 @@ if gluon is not None:
     _launch_split = DirectLauncher(_attn_bwd_hopper_split)
 
 
-# Compiled (tiles, heads, GQA, dtype, head dim, causal, device) and the (dtype, head dim, causal, device) whose
-# compilation failed, with the reason: a failure switches this path off for them (one warning), and the Triton
-# kernels serve instead.
+# Compiled (tiles, heads, GQA, dtype, head dim, causal, device) and the broken_key()s whose compilation failed,
+# with the reason: a failure switches this path off for them (one warning), and the Triton kernels serve instead.
 _compiled: set = set()
 broken: dict = {}
+
+
+def broken_key(spec, variant: str | None = None) -> tuple:
+    """What one compilation stands for: the call's variant_key and what the switches add (the tile variant, the
+    GQA group loop, dQ first), so a variant behind a switch that fails to compile leaves the default one on."""
+    return (*variant_key(spec), variant or default_variant(spec.head_dim),
+            spec.group_size > 1 and env.flag("FLASHPORT_HOPPER_BWD_GROUP_LOOP"),
+            env.flag("FLASHPORT_HOPPER_BWD_DQ_FIRST"))
 
 
 def padded(n: int) -> int:
@@ -684,7 +694,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
         dk_out = dk if dk is not None else torch.empty_like(k)
         dv_out = dv if dv is not None else torch.empty_like(v)
     grid = (padded(sk) // BLOCK_N, b * hq // loop)
-    # dq_accum's descriptor: [64, D / 2] float32 boxes (one warpgroup's half of dQ_j), for the reduce-adds; a split
+    # dq_accum's descriptor: [BLOCK_M, D / 2] float32 boxes (one warpgroup's half of dQ_j), for the reduce-adds; a split
     # head dim has one descriptor per column part, for q, k, v, dO and dq_accum alike.
     split = SPLIT.get(d, 0)
     parts = [(d - split, d - split), (split, split)] if split else [(d, d // 2)]
@@ -701,8 +711,8 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     launch = _launch_split if split else _launch
     if warmup:
         return launch.compile(grid, args, meta)
-    key = variant_key(spec)
-    if (tiles, hq, group > 1, loop, ragged, meta["DQ_FIRST"], *key) not in _compiled:
+    key = broken_key(spec, variant)
+    if (tiles, hq, group > 1, loop, ragged, *key) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             launch.compile(grid, args, meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernels"
@@ -710,11 +720,11 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
             warnings.warn(f"flashport: the Hopper backward failed to compile for {key} and is switched off "
                           f"for it; the Triton kernels serve instead ({broken[key]})", RuntimeWarning, stacklevel=3)
             return None
-        _compiled.add((tiles, hq, group > 1, loop, ragged, meta["DQ_FIRST"], *key))
+        _compiled.add((tiles, hq, group > 1, loop, ragged, *key))
     launch(grid, args, meta)
     # dQ already carries softmax_scale (folded into dS): the epilogue is a cast.
     dq = dq.copy_(dq_accum) if dq is not None else dq_accum.to(q.dtype)
-    if group > 1 and loop == 1:  # [B, Sk, Hq, D] -> [B, Sk, Hkv, G, D] summed over G (query head h reads kv head h // G)
+    if group > 1 and loop == 1:  # [B, Sk, Hq, D] -> [B, Sk, Hkv, G, D] summed over G (head h reads kv head h // G)
         dk_sum = dk_out.unflatten(2, (spec.heads_kv, group)).sum(3)
         dv_sum = dv_out.unflatten(2, (spec.heads_kv, group)).sum(3)
         dk = dk.copy_(dk_sum) if dk is not None else dk_sum.to(k.dtype)

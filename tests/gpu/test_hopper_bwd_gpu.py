@@ -147,9 +147,11 @@ def test_dq_first_conforms(case, switches, dtype, served, monkeypatch):
     check_served_with({"FLASHPORT_HOPPER_BWD_DQ_FIRST": "1", **switches}, case.replace(dtype=dtype), served, monkeypatch)
 
 
-# The 128-row Q tile (FLASHPORT_HOPPER_BWD_M128=1: variant m128_s2, D=64 only): one diagonal Q tile per causal K/V tile, lse2 / Delta read after
-# their matmuls retire.  Every D=64 case of this tier: causal, Sq != Sk, GQA / MQA, ragged, windows, ALiBi.
-M128 = [(c, {}) for c in SERVED if c.d == 64] + [(c, {"FLASHPORT_HOPPER_BWD_WINDOW": "1"}) for c in WINDOWS if c.d == 64] + [
+# The 128-row Q tile (FLASHPORT_HOPPER_BWD_M128=1: variant m128_s2, D=64 only): one diagonal Q tile per causal K/V
+# tile, lse2 / Delta read after their matmuls retire.  Every D=64 case of this tier: causal, Sq != Sk, GQA / MQA,
+# ragged, windows, ALiBi.
+M128 = [(c, {}) for c in SERVED if c.d == 64] + [
+    (c, {"FLASHPORT_HOPPER_BWD_WINDOW": "1"}) for c in WINDOWS if c.d == 64] + [
     (c, {"FLASHPORT_HOPPER_BWD_ALIBI": "1", "FLASHPORT_HOPPER_FWD_ALIBI": f}) for c, f in ALIBI if c.d == 64]
 
 
@@ -165,7 +167,8 @@ def test_m128_tile_conforms(case, switches, dtype, served, monkeypatch):
 GROUP_LOOP = [(c, {}) for c in SERVED if c.hq != c.hkv] + [
     (c, {"FLASHPORT_HOPPER_BWD_WINDOW": "1"}) for c in WINDOWS if c.hq != c.hkv] + [
     (c, {"FLASHPORT_HOPPER_BWD_ALIBI": "1", "FLASHPORT_HOPPER_FWD_ALIBI": f}) for c, f in ALIBI if c.hq != c.hkv] + [
-    (c, {"FLASHPORT_HOPPER_BWD_SPLIT": "1", **sw}) for c, sw in SPLIT if c.hq != c.hkv]
+    (c, {"FLASHPORT_HOPPER_BWD_SPLIT": "1", **sw}) for c, sw in SPLIT if c.hq != c.hkv] + [
+    (c, {"FLASHPORT_HOPPER_BWD_M128": "1"}) for c in SERVED if c.hq != c.hkv and c.d == 64]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
