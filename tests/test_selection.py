@@ -231,6 +231,7 @@ def test_static_priority_gives_d256_training_to_cudnn_on_hopper(monkeypatch):
 
     ours = [dispatch.get("triton"), dispatch.get("gluon")]
     monkeypatch.setattr(triton_backend, "_capability", lambda index: (9, 0))
+    monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)   # the interpreter tier sets it process-wide
     assert spec(256, True).needs_grad and not spec(256, False).needs_grad
     for b in ours:
         assert not b.prefers(spec(256, True), "fwd"), b.name
