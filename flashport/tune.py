@@ -163,8 +163,8 @@ def tune(shapes, device, path=None, tick=lambda: None, rounds: int = 2) -> tuple
     rows = []
     path = path or table.user_path(device)
     # measurements of this machine already there are kept (merged per bucket); table._read says which count.  A
-    # table of another card is never overwritten: tables are per card (a tune on an H100 pointed at the shipped
-    # H200 table replaced its buckets with the H100's few, 24th session, on a scratch copy).
+    # table of another card is never overwritten: tables are per card, and this merge would start from none of its
+    # buckets, replacing them all with this card's few.
     here = table.machine_key(device)
     theirs = table.card_of(Path(path))
     if theirs is not None and theirs != here.get("gpu"):
