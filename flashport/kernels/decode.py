@@ -222,13 +222,14 @@ class LaunchPlan:
     cap_out: float
     constexprs: dict           # the kernel's tl.constexpr arguments, num_warps and num_stages
     pdl: bool = False          # merge launched by programmatic dependent launch
+    chunk_tiles: int = 0       # > 0: every sequence in key chunks of this many tiles (FLASHPORT_DECODE_FIXED_CHUNKS)
 
 
 @functools.lru_cache(maxsize=512)
 def launch_plan(spec, sms: int, smem: int, interpreter: bool, tf32: bool, num_splits=None, block_m=None,
                 block_n=None, num_stages=None, waves: int = splitkv.WAVES, min_tiles: int = 2,
                 tile_page_lookup: bool = True, num_warps=None, pdl: bool = False,
-                max_keys: int = splitkv.MAX_KEYS_PER_SPLIT) -> LaunchPlan | None:
+                max_keys: int = splitkv.MAX_KEYS_PER_SPLIT, fixed_chunks: bool = False) -> LaunchPlan | None:
     """Tiles, split count and constexprs for `spec` (None: no tile configuration fits `smem`).
 
     A pure function of its arguments, memoised: the per-call host work of a decode step is then the
@@ -258,9 +259,13 @@ def launch_plan(spec, sms: int, smem: int, interpreter: bool, tf32: bool, num_sp
         LAUNCH_DEPENDENTS=pdl,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
+    # fixed_chunks: the capacity's share per split, so num_splits chunks cover any sequence (the kernel's comment)
+    chunk_tiles = 0
+    if fixed_chunks and num_splits > 1:
+        chunk_tiles = triton.cdiv(triton.cdiv(spec.seqlen_k, cfg.BLOCK_N), num_splits)
     return LaunchPlan(cfg, m_blocks, num_splits, qk_scale=spec.softmax_scale * LOG2E,
                       cap_in=spec.softmax_scale / softcap if softcap > 0 else 0.0, cap_out=softcap * LOG2E,
-                      constexprs=constexprs, pdl=pdl)
+                      constexprs=constexprs, pdl=pdl, chunk_tiles=chunk_tiles)
 
 
 def plan_for(spec, device: torch.device, *, num_splits=None, block_m=None, block_n=None,
@@ -272,7 +277,7 @@ def plan_for(spec, device: torch.device, *, num_splits=None, block_m=None, block
                        1 if interp else splitkv.MIN_TILES_PER_SPLIT,
                        TILE_PAGE_LOOKUP, num_warps,
                        PDL and device.type == "cuda" and not interp and device_facts(device)[2] >= (9, 0),
-                       splitkv.MAX_KEYS_PER_SPLIT)
+                       splitkv.MAX_KEYS_PER_SPLIT, env.flag("FLASHPORT_DECODE_FIXED_CHUNKS"))
 
 
 def valid_lengths(spec, inputs) -> torch.Tensor:
@@ -305,8 +310,6 @@ def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: i
     seqlens = valid_lengths(spec, inputs)
 
     splits = plan.num_splits
-    fixed = splits > 1 and env.flag("FLASHPORT_DECODE_FIXED_CHUNKS")
-    chunk_tiles = triton.cdiv(triton.cdiv(spec.seqlen_k, plan.cfg.BLOCK_N), splits) if fixed else 0
     if splits == 1:
         o_buf, l_buf = out, lse
         o_strides, l_strides = (0, *out.stride()[:3]), (0, *lse.stride())
@@ -326,7 +329,7 @@ def kvcache_attention(spec, inputs, *, num_splits: int | None = None, block_m: i
             q, k_cache, v_cache, seqlens, block_table, slopes, o_buf, l_buf,
             *q.stride()[:3], *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
             *a_strides, *o_strides, *l_strides,
-            sq, spec.heads_kv, splits, chunk_tiles,
+            sq, spec.heads_kv, splits, plan.chunk_tiles,
             plan.qk_scale, plan.cap_in, plan.cap_out, spec.window_left, spec.window_right,
             **plan.constexprs,
         )
