@@ -642,7 +642,7 @@ if gluon is not None:
     _launch_split = DirectLauncher(_attn_bwd_hopper_split)
 
 
-# Compiled (tiles, heads, GQA, dtype, head dim, causal, device) and the broken_key()s whose compilation failed,
+# Compiled (heads, GQA, the group loop's group, ragged, *broken_key) and the broken_key()s whose compilation failed,
 # with the reason: a failure switches this path off for them (one warning), and the Triton kernels serve instead.
 _compiled: set = set()
 broken: dict = {}
@@ -673,7 +673,10 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     float32 slopes [Hq] or [B, Hq] (spec.alibi)."""
     slopes, slope_stride, has_alibi = alibi_args(spec, alibi, lse2)
     b, sq, hq, d = q.shape
-    tiles = VARIANTS[variant or default_variant(d)]
+    # what the switches choose, read once: the tile variant, the GQA group loop, dQ first (also the compile's key)
+    key = broken_key(spec, variant)
+    *_, name, looped, dq_first = key
+    tiles = VARIANTS[name]
     sk = k.shape[1]
     group = spec.group_size
     ragged = bool(sq % BLOCK_N or sk % BLOCK_N)
@@ -686,7 +689,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
         dq_accum = torch.zeros(b, sq, hq, d, dtype=torch.float32, device=q.device)
     # GQA: one program per K/V head walks its group's query heads (FLASHPORT_HOPPER_BWD_GROUP_LOOP=1: dK, dV summed
     # in registers and written once), or one per query head writes float32 partials, summed per group below
-    loop = group if group > 1 and env.flag("FLASHPORT_HOPPER_BWD_GROUP_LOOP") else 1
+    loop = group if looped else 1
     if group > 1 and loop == 1:
         dk_out = torch.empty(b, sk, hq, d, dtype=torch.float32, device=k.device)
         dv_out = torch.empty_like(dk_out)
@@ -707,12 +710,11 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
     kind = spec.visibility.kind
     meta = dict(HEADS_Q=hq, HEAD_DIM=d, CAUSAL=kind == "causal", WINDOW=kind == "window", STAGES=tiles.stages,
                 DQ_BUFS=tiles.dq_bufs, RAGGED=ragged, ALIBI=has_alibi,
-                DQ_FIRST=env.flag("FLASHPORT_HOPPER_BWD_DQ_FIRST"), GROUP=loop, num_warps=4)
+                DQ_FIRST=dq_first, GROUP=loop, num_warps=4)
     launch = _launch_split if split else _launch
     if warmup:
         return launch.compile(grid, args, meta)
-    key = broken_key(spec, variant)
-    if (tiles, hq, group > 1, loop, ragged, *key) not in _compiled:
+    if (hq, group > 1, loop, ragged, *key) not in _compiled:
         try:  # compile only (no launch), so a toolchain that rejects the kernel costs one fallback, not a crash
             launch.compile(grid, args, meta)
         except Exception as e:  # noqa: BLE001 - any compiler failure means "use the Triton kernels"
@@ -720,7 +722,7 @@ def backward(spec, do, q, k, v, out, lse2, delta, dq=None, dk=None, dv=None, var
             warnings.warn(f"flashport: the Hopper backward failed to compile for {key} and is switched off "
                           f"for it; the Triton kernels serve instead ({broken[key]})", RuntimeWarning, stacklevel=3)
             return None
-        _compiled.add((tiles, hq, group > 1, loop, ragged, *key))
+        _compiled.add((hq, group > 1, loop, ragged, *key))
     launch(grid, args, meta)
     # dQ already carries softmax_scale (folded into dS): the epilogue is a cast.
     dq = dq.copy_(dq_accum) if dq is not None else dq_accum.to(q.dtype)
