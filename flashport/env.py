@@ -37,16 +37,16 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_ALLOW_UNTESTED_TRITON", "0", "1: try the Triton kernels on a Triton release they were not tested on"),
     Switch("FLASHPORT_HOPPER_FWD", "1", "0: the gluon backend refuses forwards (rollback switch for the Hopper forward)"),
     Switch("FLASHPORT_HOPPER_BWD", "1", "0: the gluon backend refuses backwards (rollback switch for the Hopper backward)"),
-    Switch("FLASHPORT_HOPPER_FWD_ALIBI", "0", "1: the Hopper forward serves ALiBi slopes, which the Triton kernel serves "
-                                              "otherwise (off until a GPU run checks and times it: PERFLOG row 82)"),
-    Switch("FLASHPORT_HOPPER_BWD_ALIBI", "0", "1: the Hopper backward serves ALiBi slopes, which the Triton kernels "
-                                              "serve otherwise (off until a GPU run checks and times it: PERFLOG row 83)"),
-    Switch("FLASHPORT_HOPPER_FWD_SPLIT", "0", "1: the Hopper forward serves head dims 80 and 96 as two power-of-two "
-                                              "column parts (no padded dots), which the Triton kernel serves otherwise "
-                                              "(off until a GPU run checks and times it: PERFLOG row 81)"),
-    Switch("FLASHPORT_HOPPER_BWD_SPLIT", "0", "1: the Hopper backward serves head dims 80 and 96 as two power-of-two "
-                                              "column parts (no padded dots), which the Triton kernels serve otherwise "
-                                              "(off until a GPU run checks and times it: PERFLOG row 86)"),
+    Switch("FLASHPORT_HOPPER_FWD_ALIBI", "1", "0: the Hopper forward leaves ALiBi slopes to the Triton kernel "
+                                              "(rollback switch; PERFLOG rows 82, 95)"),
+    Switch("FLASHPORT_HOPPER_BWD_ALIBI", "1", "0: the Hopper backward leaves ALiBi slopes to the Triton kernels "
+                                              "(rollback switch; PERFLOG rows 83, 95)"),
+    Switch("FLASHPORT_HOPPER_FWD_SPLIT", "1", "0: the Hopper forward leaves head dims 80 and 96 (two power-of-two "
+                                              "column parts, no padded dots) to the Triton kernel (rollback switch; "
+                                              "PERFLOG rows 81, 95)"),
+    Switch("FLASHPORT_HOPPER_BWD_SPLIT", "1", "0: the Hopper backward leaves head dims 80 and 96 (two power-of-two "
+                                              "column parts, no padded dots) to the Triton kernels (rollback switch; "
+                                              "PERFLOG rows 86, 95)"),
     Switch("FLASHPORT_HOPPER_FWD_PIN", "0", "1: the Hopper forward holds its wait for P V after the softmax of the next "
                                             "key tile (a shared-memory store of the row sums), so the exp2 overlap the "
                                             "P V matmul (off until a GPU run times it: PERFLOG row 87)"),
@@ -56,12 +56,12 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_HOPPER_BWD_DQ_FIRST", "0", "1: the Hopper backward issues dQ_j's matmul before dK's, so dK runs "
                                                  "while dQ_j is stored, and dK reads dS from registers (FA3's and FA4's "
                                                  "step; off until a GPU run times it: PERFLOG row 89)"),
-    Switch("FLASHPORT_HOPPER_FWD_WINDOW", "0", "1: the Hopper forward serves sliding windows (Sq == Sk; key tiles "
-                                               "outside the band skipped), which the Triton kernel serves otherwise "
-                                               "(off until a GPU run checks and times it: PERFLOG row 79)"),
-    Switch("FLASHPORT_HOPPER_BWD_WINDOW", "0", "1: the Hopper backward serves sliding windows (Sq == Sk; tiles outside "
-                                               "the band skipped), which the Triton kernels serve otherwise (off until "
-                                               "a GPU run checks and times it: PERFLOG row 78)"),
+    Switch("FLASHPORT_HOPPER_FWD_WINDOW", "1", "0: the Hopper forward leaves sliding windows (Sq == Sk; key tiles "
+                                               "outside the band skipped) to the Triton kernel (rollback switch; "
+                                               "PERFLOG rows 79, 95)"),
+    Switch("FLASHPORT_HOPPER_BWD_WINDOW", "1", "0: the Hopper backward leaves sliding windows (Sq == Sk; tiles outside "
+                                               "the band skipped) to the Triton kernels (rollback switch; PERFLOG "
+                                               "rows 78, 95)"),
     Switch("FLASHPORT_DECODE_FIXED_CHUNKS", "0", "1: the KV-cache kernel cuts every sequence into key chunks of one size "
                                                  "(the capacity's share per split), not each sequence's own keys "
                                                  "into num_splits shares: ragged batches run fewer, fuller programs "

@@ -37,8 +37,7 @@ def bwd(monkeypatch):
     (dict(softcap=5.0), "softcap"),
     (dict(dropout=0.1), "dropout"),
     (dict(scale=-0.5), "positive softmax scale"),
-    (dict(window=(256, 0)), "window"),
-    (dict(window=(-1, 64)), "window"),
+    (dict(window=(256, 0), s=512, sk=1024), "Sq == Sk"),
     (dict(s=512, sk=1024, causal=True), "Sq == Sk"),
     (dict(s=100), "at least 128"),
     (dict(s=256, sk=100), "at least 128"),
@@ -146,19 +145,20 @@ def test_default_variants_compile_for_sm90a(tmp_path):
         assert r["stack_bytes"] <= 64, (r["d"], r["dtype"], r["gqa"], r["causal"], r["stack_bytes"])
 
 
-def test_windows_pass_the_gate_only_behind_their_switch_and_with_sq_equal_sk(monkeypatch, bwd):
-    """FLASHPORT_HOPPER_BWD_WINDOW=1 opens the gate to sliding windows with Sq == Sk (the kernel's WINDOW
-    variant); off, or with Sq != Sk, they stay with the Triton kernels."""
+def test_windows_pass_the_gate_with_sq_equal_sk_unless_switched_off(monkeypatch, bwd):
+    """Sliding windows with Sq == Sk pass the gate by default (the kernel's WINDOW variant);
+    FLASHPORT_HOPPER_BWD_WINDOW=0 (rollback), or Sq != Sk, leaves them to the Triton kernels."""
     if bwd.gluon is None:
         pytest.skip("Gluon not installed")
     monkeypatch.setattr(bwd, "enabled", lambda: True)
     monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))
     windows = (dict(window=(256, 0)), dict(window=(-1, 64)), dict(window=(100, 37), d=64, hq=8, hkv=2),
                dict(window=(17, 3), s=300))
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_WINDOW", "0")
     for kw in windows:
         spec, q, k = _spec(**kw)
-        assert "window" in bwd.reasons(spec, q, k, k, q)[0], kw
-    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_WINDOW", "1")
+        assert "FLASHPORT_HOPPER_{FWD,BWD}_WINDOW=0" in bwd.reasons(spec, q, k, k, q)[0], kw
+    monkeypatch.delenv("FLASHPORT_HOPPER_BWD_WINDOW")
     for kw in windows:
         spec, q, k = _spec(**kw)
         assert bwd.reasons(spec, q, k, k, q) == [], kw
@@ -171,8 +171,9 @@ def test_windows_pass_the_gate_only_behind_their_switch_and_with_sq_equal_sk(mon
     assert bwd.window_bounds(spec) == (0, 0)
 
 
-def test_alibi_passes_the_backward_gate_only_behind_its_switch(monkeypatch, bwd):
-    """FLASHPORT_HOPPER_BWD_ALIBI=1 opens the backward to ALiBi slopes, whichever forward wrote the lse."""
+def test_alibi_passes_the_backward_gate_unless_switched_off(monkeypatch, bwd):
+    """The backward serves ALiBi slopes by default, whichever forward wrote the lse; FLASHPORT_HOPPER_BWD_ALIBI=0
+    (rollback) leaves them to the Triton kernels."""
     if bwd.gluon is None:
         pytest.skip("Gluon not installed")
     monkeypatch.setattr(bwd, "enabled", lambda: True)
@@ -183,22 +184,24 @@ def test_alibi_passes_the_backward_gate_only_behind_its_switch(monkeypatch, bwd)
     spec, _ = dense_spec(q, k, k, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                          alibi_slopes=slopes, dropout_p=0.0, deterministic=False, return_lse=False)
     spec = dataclasses.replace(spec, device=torch.device("cuda", 0))
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_ALIBI", "0")
     assert "ALiBi" in bwd.reasons(spec, q, k, k, q)[0]
-    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_ALIBI", "1")
+    monkeypatch.delenv("FLASHPORT_HOPPER_BWD_ALIBI")
     assert bwd.reasons(spec, q, k, k, q) == []
 
 
-def test_split_head_dims_pass_the_gate_only_behind_their_switch(monkeypatch, bwd):
-    """D=80 and D=96 run as two power-of-two column parts (attn_bwd_hopper.SPLIT), behind
-    FLASHPORT_HOPPER_BWD_SPLIT=1; the other head dims are not affected by it."""
+def test_split_head_dims_pass_the_gate_unless_switched_off(monkeypatch, bwd):
+    """D=80 and D=96 run as two power-of-two column parts (attn_bwd_hopper.SPLIT) by default;
+    FLASHPORT_HOPPER_BWD_SPLIT=0 (rollback) leaves them to the Triton kernels and no other head dim."""
     if bwd.gluon is None:
         pytest.skip("Gluon not installed")
     monkeypatch.setattr(bwd, "enabled", lambda: True)
     monkeypatch.setattr(bwd, "_capability", lambda index: (9, 0))
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_SPLIT", "0")
     for d in (80, 96):
         spec, q, k = _spec(d=d, causal=d == 96)
-        assert "FLASHPORT_HOPPER_BWD_SPLIT" in bwd.reasons(spec, q, k, k, q)[0]
-    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_SPLIT", "1")
+        assert "FLASHPORT_HOPPER_BWD_SPLIT=0" in bwd.reasons(spec, q, k, k, q)[0]
+    monkeypatch.delenv("FLASHPORT_HOPPER_BWD_SPLIT")
     for d in (80, 96):
         spec, q, k = _spec(d=d, hq=8, hkv=2, s=300)
         assert bwd.reasons(spec, q, k, k, q) == [], d

@@ -39,7 +39,7 @@ def on_hopper(monkeypatch):
 
 
 @pytest.mark.parametrize("kw, reason", [
-    (dict(d=96), "head dim"),
+    (dict(d=72), "head dim"),
     (dict(d=32), "head dim"),
     (dict(d=128, dv=64), "head dim"),                        # q/k and v must share D
     (dict(s=4000), "multiples of 128"),
@@ -53,7 +53,7 @@ def on_hopper(monkeypatch):
     (dict(s=4096, sk=8192, causal=True), "Sq == Sk"),
     (dict(b=0), "batch * heads"),
     (dict(b=8192, hq=16, hkv=16), "batch * heads"),          # grid y would pass 65535
-    (dict(window=(256, 0)), "window"),
+    (dict(window=(256, 0), s=4096, sk=8192), "Sq == Sk"),
     (dict(softcap=5.0), "softcap"),
     (dict(scale=-0.5), "positive softmax scale"),
 ])
@@ -179,15 +179,16 @@ def test_ab_variants_parse_into_tile_table_entries():
             ab.parse_variant(bad)
 
 
-def test_windows_pass_the_gate_only_behind_their_switch_and_with_sq_equal_sk(monkeypatch, on_hopper):
-    """FLASHPORT_HOPPER_FWD_WINDOW=1 opens the forward's gate to sliding windows with Sq == Sk (its WINDOW
-    variant); off, or with Sq != Sk, they stay with the Triton kernel."""
+def test_windows_pass_the_gate_with_sq_equal_sk_unless_switched_off(monkeypatch, on_hopper):
+    """Sliding windows with Sq == Sk pass the forward's gate by default (its WINDOW variant);
+    FLASHPORT_HOPPER_FWD_WINDOW=0 (rollback), or Sq != Sk, leaves them to the Triton kernel."""
     windows = (dict(window=(256, 0)), dict(window=(-1, 64)), dict(window=(100, 37), d=64, s=16384),
                dict(window=(17, 3), d=256, hq=8, hkv=2))
+    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_WINDOW", "0")
     for kw in windows:
         spec, q, k, v = _spec(**kw)
-        assert "window" in on_hopper.reasons(spec, q, k, v)[0], kw
-    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_WINDOW", "1")
+        assert "FLASHPORT_HOPPER_{FWD,BWD}_WINDOW=0" in on_hopper.reasons(spec, q, k, v)[0], kw
+    monkeypatch.delenv("FLASHPORT_HOPPER_FWD_WINDOW")
     for kw in windows:
         spec, q, k, v = _spec(**kw)
         assert on_hopper.reasons(spec, q, k, v) == [], kw
@@ -195,13 +196,15 @@ def test_windows_pass_the_gate_only_behind_their_switch_and_with_sq_equal_sk(mon
     assert "Sq == Sk" in on_hopper.reasons(spec, q, k, v)[0]
 
 
-def test_two_part_head_dims_pass_the_gate_only_behind_their_switch(monkeypatch, on_hopper):
-    """D=80 and D=96 run as two power-of-two column parts (TILES' split), behind FLASHPORT_HOPPER_FWD_SPLIT=1; the
-    launch then carries a second set of descriptors for the parts' columns."""
+def test_two_part_head_dims_pass_the_gate_unless_switched_off(monkeypatch, on_hopper):
+    """D=80 and D=96 run as two power-of-two column parts (TILES' split) by default, FLASHPORT_HOPPER_FWD_SPLIT=0
+    (rollback) leaves them to the Triton kernel; the launch carries a second set of descriptors for the parts'
+    columns."""
+    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_SPLIT", "0")
     for d in (80, 96):
         spec, q, k, v = _spec(d=d)
-        assert "FLASHPORT_HOPPER_FWD_SPLIT" in on_hopper.reasons(spec, q, k, v)[0]
-    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_SPLIT", "1")
+        assert "FLASHPORT_HOPPER_FWD_SPLIT=0" in on_hopper.reasons(spec, q, k, v)[0]
+    monkeypatch.delenv("FLASHPORT_HOPPER_FWD_SPLIT")
     for d, parts in ((80, (64, 16)), (96, (64, 32))):
         spec, q, k, v = _spec(d=d, hq=8, hkv=2, causal=True)
         assert on_hopper.reasons(spec, q, k, v) == []
@@ -218,9 +221,9 @@ def test_two_part_head_dims_pass_the_gate_only_behind_their_switch(monkeypatch, 
     assert [a.block_shape[1] for a in args[:4]] == [128] * 4 and args[4] is None   # four descriptors, then lse
 
 
-def test_alibi_passes_the_forward_gate_only_behind_its_switch(monkeypatch, on_hopper):
-    """FLASHPORT_HOPPER_FWD_ALIBI=1 opens the forward to ALiBi slopes (the backward's gate stays shut: the Triton
-    kernels recompute P with the same formula); the launch then carries the slopes and their batch stride."""
+def test_alibi_passes_the_forward_gate_unless_switched_off(monkeypatch, on_hopper):
+    """The forward serves ALiBi slopes by default, FLASHPORT_HOPPER_FWD_ALIBI=0 (rollback) leaves them to the Triton
+    kernel, each direction on its own switch; the launch carries the slopes and their batch stride."""
     from flashport.kernels import attn_bwd_hopper
     slopes = torch.rand(2, 8)
     q = torch.empty(2, 1024, 8, 128, dtype=torch.bfloat16)
@@ -228,9 +231,12 @@ def test_alibi_passes_the_forward_gate_only_behind_its_switch(monkeypatch, on_ho
     spec, _ = dense_spec(q, k, k, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
                          alibi_slopes=slopes, dropout_p=0.0, deterministic=False, return_lse=False)
     gpu = dataclasses.replace(spec, device=torch.device("cuda", 0))
+    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_ALIBI", "0")
     assert "ALiBi" in on_hopper.reasons(gpu, q, k, k)[0]
-    monkeypatch.setenv("FLASHPORT_HOPPER_FWD_ALIBI", "1")
+    assert "ALiBi" not in "".join(attn_bwd_hopper.spec_reasons(gpu))   # the backward's own switch is still on
+    monkeypatch.delenv("FLASHPORT_HOPPER_FWD_ALIBI")
     assert on_hopper.reasons(gpu, q, k, k) == []
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_ALIBI", "0")
     assert "ALiBi" in attn_bwd_hopper.spec_reasons(gpu)[0]
     lse = torch.empty(2, 8, 1024)
     _, args, meta = on_hopper.launch_args(spec, q, k, k, torch.empty_like(q), lse, lse, slopes)

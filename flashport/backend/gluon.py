@@ -2,13 +2,10 @@
 schedules on sm_90.
 
 Serves: dense bf16 / fp16 calls with q/k and v of one head dim, causal with Sq == Sk, no softcap or dropout,
-GQA included.  Behind switches, off until a GPU run checks them (the Triton kernels serve these calls otherwise):
-sliding windows with Sq == Sk (FLASHPORT_HOPPER_FWD_WINDOW=1 / FLASHPORT_HOPPER_BWD_WINDOW=1), ALiBi
-(FLASHPORT_HOPPER_FWD_ALIBI=1 / FLASHPORT_HOPPER_BWD_ALIBI=1), and head dims 80 / 96 as two column parts
-(FLASHPORT_HOPPER_FWD_SPLIT=1 / FLASHPORT_HOPPER_BWD_SPLIT=1).
-- forward (kernels/attn_fwd_hopper.py): D = 64, 128 or 256 (80 and 96 behind their switch), Sq and Sk multiples of
-  128, lse returned;
-- backward (kernels/attn_bwd_hopper.py): D = 64 or 128 (80 and 96 behind their switch), Sq and Sk >= 128 (ragged
+GQA included; sliding windows with Sq == Sk, ALiBi, and head dims 80 / 96 as two column parts, each with a rollback
+switch that leaves it to the Triton kernels (FLASHPORT_HOPPER_{FWD,BWD}_{WINDOW,ALIBI,SPLIT}=0).
+- forward (kernels/attn_fwd_hopper.py): D = 64, 80, 96, 128 or 256, Sq and Sk multiples of 128, lse returned;
+- backward (kernels/attn_bwd_hopper.py): D = 64, 80, 96 or 128, Sq and Sk >= 128 (ragged
   lengths masked), deterministic=False only (dQ is summed by TMA reduce-adds in arrival order).
 Its saved state is the Triton kernels' (out, lse in log2 units), so it pairs with `triton` either way.
 Strided or misaligned tensors, and a variant that fails to compile on this toolchain, are served by the
@@ -34,12 +31,11 @@ class GluonBackend(TritonBackend):
                         kinds=("dense",), mask_kinds=("none", "causal", "window"), softcap=False, alibi=True,
                         dropout=False, deterministic=False, min_capability=(9, 0), max_capability=(9, 0),
                         triton_versions=versions.TESTED_TRITON,
-                        notes=("forward: Sq and Sk multiples of 128; causal needs Sq == Sk; windows (Sq == Sk) where "
-                               "FLASHPORT_HOPPER_FWD_WINDOW=1; ALiBi where FLASHPORT_HOPPER_FWD_ALIBI=1; D = 80 / 96 "
-                               "where FLASHPORT_HOPPER_FWD_SPLIT=1",
+                        notes=("forward: Sq and Sk multiples of 128; causal and windows need Sq == Sk; windows, ALiBi and "
+                               "D = 80 / 96 unless FLASHPORT_HOPPER_FWD_{WINDOW,ALIBI,SPLIT}=0",
                                f"backward: head dims {', '.join(map(str, BWD_HEAD_DIMS))}, Sq and Sk >= 128; "
-                               "windows (Sq == Sk) where FLASHPORT_HOPPER_BWD_WINDOW=1; ALiBi where "
-                               "FLASHPORT_HOPPER_BWD_ALIBI=1; D = 80 / 96 where FLASHPORT_HOPPER_BWD_SPLIT=1",
+                               "windows (Sq == Sk), ALiBi and D = 80 / 96 unless "
+                               "FLASHPORT_HOPPER_BWD_{WINDOW,ALIBI,SPLIT}=0",
                                "static preference (no table): forward from attn_fwd_hopper.MIN_KEYS keys"))
 
     def availability(self) -> list[str]:

@@ -28,8 +28,8 @@ One program per (128-row K/V tile n, query head h, batch entry b); grid (Sk / 12
   DQ_FIRST (FLASHPORT_HOPPER_BWD_DQ_FIRST=1, until timed): FA3's and FA4's step end instead -- after ds_ready,
   dQ_j is issued before dK (which reads dS^T from registers), and dK runs while dQ_j is stored.
 Causal (Sq == Sk): K/V tile n meets Q tiles 2n, 2n + 1 (masked; with 128-row tiles Q tile n) and the unmasked
-ones after; lower n has more work, so programs start with n = 0.  Sliding windows (WINDOW, behind
-FLASHPORT_HOPPER_BWD_WINDOW=1 until a GPU run checks them; Sq == Sk): K/V tile n walks only the Q tiles whose rows see one of its keys
+ones after; lower n has more work, so programs start with n = 0.  Sliding windows (WINDOW; Sq == Sk;
+FLASHPORT_HOPPER_BWD_WINDOW=0 leaves them to the Triton kernels): K/V tile n walks only the Q tiles whose rows see one of its keys
 (_q_tiles), and a warpgroup masks a tile only where it crosses the band's edge for its 64 keys.  GQA: dK / dV are
 written as float32 partials per query head and summed per group afterwards (as attn_bwd.py), or, with GROUP > 1
 (FLASHPORT_HOPPER_BWD_GROUP_LOOP=1; grid (Sk / 128, B * Hkv)), one program walks its K/V head's query heads in turn
@@ -105,7 +105,7 @@ DEFAULT = {128: "s2_tma2_lse", 64: "s2_tma_lse", 80: "s2_tma2_lse", 96: "s2_tma2
 # power of two as Gluon's tensors must be: the forward's parts (its Tiles.split), so both directions read one table.
 # S^T and dP^T sum the parts' products (chained wgmma), dK and dV keep an accumulator per part, and warpgroup 0
 # computes dQ_j's first part, warpgroup 1 its second.  Shared memory at D=96: K, V 48 KiB + 2 stages of Q, dO 48 +
-# dS 32 + 2 dQ buffers 48 = 176 KiB.  Behind FLASHPORT_HOPPER_BWD_SPLIT=1 until a GPU run checks them (PERFLOG row 86).
+# dS 32 + 2 dQ buffers 48 = 176 KiB.  FLASHPORT_HOPPER_BWD_SPLIT=0 leaves them to the Triton kernels (PERFLOG rows 86, 95).
 SPLIT = {d: t.split for d, t in TILES.items() if t.split}
 
 
@@ -139,8 +139,7 @@ def spec_reasons(spec) -> list[str]:
     if spec.head_dim not in DEFAULT or spec.head_dim_v != spec.head_dim:
         return [f"head dim {' / '.join(map(str, sorted(DEFAULT)))} only (q/k and v alike)"]
     if spec.head_dim in SPLIT and not env.flag("FLASHPORT_HOPPER_BWD_SPLIT"):
-        return [f"head dim {spec.head_dim} runs as two column parts, behind FLASHPORT_HOPPER_BWD_SPLIT=1 until a GPU "
-                "run checks it"]
+        return [f"head dim {spec.head_dim} (two column parts) is switched off: FLASHPORT_HOPPER_BWD_SPLIT=0"]
     if spec.kind != "dense" or spec.device.type != "cuda":
         return ["dense CUDA tensors only"]
     if spec.deterministic:

@@ -32,7 +32,7 @@ Triton kernel.  FLASHPORT_HOPPER_FWD=0 switches it off (rollback without a relea
 is the fastest of tools/gpu/gluon_fwd_probe.py's variants (docs/PERFLOG.md row 15); the length floors
 come from tools/gpu/hopper_fwd_ab.py's same-run A/B (row 18).
 
-Sliding windows (WINDOW, behind FLASHPORT_HOPPER_FWD_WINDOW=1 until a GPU run checks them; Sq == Sk): a
+Sliding windows (WINDOW; Sq == Sk; FLASHPORT_HOPPER_FWD_WINDOW=0 leaves them to the Triton kernel): a
 program's ring holds only the key tiles its 128 rows see (_key_tiles), both warpgroups consume every one, and
 a warpgroup masks a tile only where it crosses the band's edge for its 64 rows (_band_edge).  A row whose first
 tiles hold no visible key keeps p = alpha = 0 (its max stays -inf); each row sees its own key, so l > 0 at the end.
@@ -85,8 +85,8 @@ TILES = {
     256: Tiles(64, 2, 240, True),
     # Not powers of two (ViT / DiT heads): two column parts, 64 + 16 and 64 + 32, each a power of two as Gluon's
     # tensors must be; S_j is the sum of the parts' products (chained wgmma) and the output has an accumulator
-    # per part, so no dot is padded.  80: 20 KiB Q + 4 x 40 KiB; 96: 24 KiB Q + 3 x 48 KiB.  Behind
-    # FLASHPORT_HOPPER_FWD_SPLIT=1 until a GPU run checks them (PERFLOG row 81).
+    # per part, so no dot is padded.  80: 20 KiB Q + 4 x 40 KiB; 96: 24 KiB Q + 3 x 48 KiB.
+    # FLASHPORT_HOPPER_FWD_SPLIT=0 leaves them to the Triton kernel (PERFLOG rows 81, 95).
     80: Tiles(128, 4, 240, False, 16),
     96: Tiles(128, 3, 240, False, 32),
 }
@@ -144,15 +144,17 @@ def alibi_args(spec, alibi, stand_in: torch.Tensor) -> tuple:
 def feature_reasons(spec, windows: bool = False, alibi: bool = False) -> list[str]:
     """The call features both Hopper kernels (this forward and kernels/attn_bwd_hopper.py) leave to the
     Triton kernels: the first one present, or [] for a plain bf16/fp16 call, causal only with Sq == Sk.
-    windows / alibi: the caller's switch is on (FLASHPORT_HOPPER_{FWD,BWD}_WINDOW, FLASHPORT_HOPPER_FWD_ALIBI),
+    windows / alibi: the caller's switch is on (FLASHPORT_HOPPER_{FWD,BWD}_WINDOW, FLASHPORT_HOPPER_{FWD,BWD}_ALIBI),
     so windows with Sq == Sk / ALiBi slopes pass."""
     if spec.dtype not in (torch.bfloat16, torch.float16):
         return ["bfloat16 / float16 only"]
-    if spec.softcap > 0 or (spec.alibi is not None and not alibi) or spec.dropout_p > 0 or spec.softmax_scale <= 0:
-        return ["no softcap, ALiBi or dropout; positive softmax scale"]
+    if spec.softcap > 0 or spec.dropout_p > 0 or spec.softmax_scale <= 0:
+        return ["no softcap or dropout; positive softmax scale"]
+    if spec.alibi is not None and not alibi:
+        return ["ALiBi is switched off here (FLASHPORT_HOPPER_{FWD,BWD}_ALIBI=0)"]
     kind = spec.visibility.kind
     if kind == "window" and not windows:
-        return ["no sliding window"]
+        return ["sliding windows are switched off here (FLASHPORT_HOPPER_{FWD,BWD}_WINDOW=0)"]
     if kind not in ("none", "causal", "window"):
         return [f"mask kind {kind!r}"]
     if kind != "none" and spec.seqlen_q != spec.seqlen_k:
@@ -186,7 +188,7 @@ def spec_reasons(spec, length_floor: bool = True) -> list[str]:
     if spec.kind != "dense" or spec.device.type != "cuda":
         return ["dense CUDA tensors only"]
     if TILES[d].split and not env.flag("FLASHPORT_HOPPER_FWD_SPLIT"):
-        return [f"head dim {d} runs as two column parts, behind FLASHPORT_HOPPER_FWD_SPLIT=1 until a GPU run checks it"]
+        return [f"head dim {d} (two column parts) is switched off: FLASHPORT_HOPPER_FWD_SPLIT=0"]
     plain = feature_reasons(spec, windows=env.flag("FLASHPORT_HOPPER_FWD_WINDOW"),
                             alibi=env.flag("FLASHPORT_HOPPER_FWD_ALIBI"))
     if plain:

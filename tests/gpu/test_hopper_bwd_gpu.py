@@ -183,15 +183,27 @@ DECLINED = [
     Case(b=1, sq=100, sk=256, hq=2, hkv=2, d=128),                   # shorter than one tile
     Case(b=1, sq=256, sk=384, hq=2, hkv=2, d=128, causal=True),      # causal with Sq != Sk
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, noncontig=True),   # strided: no TMA view
-    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=96),                    # FLASHPORT_HOPPER_BWD_SPLIT off
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=72),
-    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=64, window=(64, 0)),     # FLASHPORT_HOPPER_BWD_WINDOW off
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, softcap=5.0),
 ]
 
 
 @pytest.mark.parametrize("case", DECLINED, ids=str)
 def test_declined_calls_run_the_triton_kernels(case, served):
+    check_dense(None, case.replace(dtype=torch.bfloat16), DEV, grads=True)
+    assert not served
+
+
+ROLLED_BACK = [   # served by default; each rollback switch hands its calls to the Triton kernels
+    (Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=96), "FLASHPORT_HOPPER_BWD_SPLIT"),
+    (Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=64, window=(64, 0)), "FLASHPORT_HOPPER_BWD_WINDOW"),
+    (Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, alibi="head"), "FLASHPORT_HOPPER_BWD_ALIBI"),
+]
+
+
+@pytest.mark.parametrize("case, switch", ROLLED_BACK, ids=str)
+def test_rolled_back_calls_run_the_triton_kernels(case, switch, served, monkeypatch):
+    monkeypatch.setenv(switch, "0")
     check_dense(None, case.replace(dtype=torch.bfloat16), DEV, grads=True)
     assert not served
 

@@ -164,11 +164,9 @@ DECLINED = [
     Case(b=1, sq=200, sk=256, hq=2, hkv=2, d=128),                   # not a multiple of 128
     Case(b=1, sq=256, sk=384, hq=2, hkv=2, d=128, causal=True),      # causal with Sq != Sk
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, noncontig=True),   # strided: no TMA view
-    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=96),                    # two-part tiles: FLASHPORT_HOPPER_FWD_SPLIT off
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=72),                    # a head dim without tiles
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, dv=64),            # q/k and v head dims differ
     Case(b=1, sq=256, sk=320, hq=2, hkv=2, d=256),                   # Sk not a multiple of 128
-    Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, window=(64, 0)),   # FLASHPORT_HOPPER_FWD_WINDOW off
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, softcap=5.0),
     Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=256, alibi="head"),     # ALiBi at D=256 (its registers would spill)
 ]
@@ -176,6 +174,20 @@ DECLINED = [
 
 @pytest.mark.parametrize("case", DECLINED, ids=str)
 def test_declined_calls_run_the_triton_kernel(case, served):
+    check_dense(None, case.replace(dtype=torch.bfloat16), DEV, grads=False)
+    assert not served
+
+
+ROLLED_BACK = [   # served by default; each rollback switch hands its calls to the Triton kernel
+    (Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=96), "FLASHPORT_HOPPER_FWD_SPLIT"),
+    (Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, window=(64, 0)), "FLASHPORT_HOPPER_FWD_WINDOW"),
+    (Case(b=1, sq=256, sk=256, hq=2, hkv=2, d=128, alibi="head"), "FLASHPORT_HOPPER_FWD_ALIBI"),
+]
+
+
+@pytest.mark.parametrize("case, switch", ROLLED_BACK, ids=str)
+def test_rolled_back_calls_run_the_triton_kernel(case, switch, served, monkeypatch):
+    monkeypatch.setenv(switch, "0")
     check_dense(None, case.replace(dtype=torch.bfloat16), DEV, grads=False)
     assert not served
 
