@@ -95,3 +95,35 @@ def test_launch_hooks_see_every_call(launcher):
         knobs.runtime.launch_enter_hook.remove(hook)
     direct((1,), (t,), dict(CAUSAL=False, STAGES=2))
     assert [e[0] for e in jit.log] == ["jit", "jit", "direct"]
+
+
+def test_unbound_names_what_a_direct_launch_would_get_wrong():
+    """unbound(args, meta): a constexpr passed positionally, a parameter after the args missing from meta, a tensor
+    in meta (part of the key by value); empty for the JIT's own binding."""
+    import triton.language as tl
+    from flashport.kernels import launch
+
+    def kernel(X, n, T, m, BLOCK: tl.constexpr, FLAG: tl.constexpr = False):
+        pass
+
+    class Fn:
+        fn, arg_names = staticmethod(kernel), ["X", "n", "T", "m", "BLOCK", "FLAG"]
+    direct, t = launch.DirectLauncher(Fn()), torch.zeros(4)
+    assert direct.unbound((t, 3, t, 5), dict(BLOCK=16, FLAG=True, num_warps=4)) == []
+    assert direct.unbound((t, 3, t, 5, 16), dict(FLAG=True)) == ["constexpr BLOCK passed positionally"]
+    assert direct.unbound((t, 3, t, 5), dict(BLOCK=16)) == ["FLAG not in meta"]
+    assert direct.unbound((t, 3), dict(T=t, m=5, BLOCK=16, FLAG=False)) == ["tensor T in meta"]
+    assert direct.unbound((t, 3), dict(T=(t, t), m=5, BLOCK=16, FLAG=False)) == ["tensor T in meta"]
+
+
+def test_tuple_arguments_are_specialised_per_element(launcher):
+    """A tuple argument (the compiled mods' captured tensors) is keyed by its elements' classes, as Triton
+    specialises them: a new dtype or alignment inside it goes through the JIT."""
+    launch, jit = launcher
+    direct = launch.DirectLauncher(_Jit(("caps", "n", "STAGES")))
+    t = torch.zeros(64)
+    direct((1,), ((t, t), 48), dict(STAGES=2))
+    direct((1,), ((t, t.clone()), 64), dict(STAGES=2))     # same classes: direct
+    direct((1,), ((t, t.half()), 48), dict(STAGES=2))      # a new dtype inside the tuple
+    direct((1,), ((t, t[1:]), 48), dict(STAGES=2))         # misaligned inside the tuple
+    assert [e[0] for e in direct.jit_fn.log] == ["jit", "direct", "jit", "jit"]

@@ -179,13 +179,12 @@ def _bwd_dkdv(Q, K, V, DO, Lse, Delta, DK, DVt, Slopes, CuQ, CuK, Rng,
               stride_dob, stride_dos, stride_doh, stride_dkb, stride_dks, stride_dkh,
               stride_dvb, stride_dvs, stride_dvh, stride_lb, stride_lh,
               stride_slope_b, seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold,
-              drop_scale, sm_scale, mods, skip, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr,
-              BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr,
-              HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr,
-              DROPOUT: tl.constexpr, PRECISION: tl.constexpr, SPLIT: tl.constexpr, ALIGN: tl.constexpr,
-              SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr,
-              gcap=None, CAP_GRAD: tl.constexpr = None, GROUP_LOOP: tl.constexpr = False, q_chunks=1,
-              stride_dkc=0, stride_dvc=0):
+              drop_scale, sm_scale, mods, skip, gcap, q_chunks, stride_dkc, stride_dvc, D: tl.constexpr,
+              DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+              BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr, HAS_RIGHT: tl.constexpr,
+              SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr, PRECISION: tl.constexpr,
+              SPLIT: tl.constexpr, ALIGN: tl.constexpr, SCORE_MOD: tl.constexpr, SCORE_GRAD: tl.constexpr,
+              MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr, CAP_GRAD: tl.constexpr, GROUP_LOOP: tl.constexpr):
     """GROUP_LOOP: one program per (K/V tile, kv head, batch entry) accumulates dK, dV over every query head of the
     kv head's GQA group (K and V read once, dK and dV written once in their own dtype); otherwise one program per
     query head, writing dK, dV of that head alone (float32 partials under GQA, summed by `backward`).
@@ -420,10 +419,11 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
         dv_out = alloc32((*v.shape[:-2], hq, v.shape[-1]), dtype=torch.float32, device=v.device)
         a.cover(dk_out, dv_out)
 
-    cap_bufs, cap_args = [], {}
+    cap_bufs, gcap, cap_grad = [], None, None
     if mods is not None and mods.cap_grad is not None:   # gradients of the tensors the score_mod reads
         cap_bufs, gcap = mods.gcap()
-        cap_args = dict(gcap=gcap, CAP_GRAD=mods.cap_grad)
+        cap_grad = mods.cap_grad
+    direct = q.is_cuda   # kernels/launch.py (Triton's interpreter takes the JIT path)
 
     chunked = {}   # the launch's float32 partials over Q chunks, when q_chunks() splits (summed below)
 
@@ -437,22 +437,23 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
             a.cover(dk_t[0], dv_t[0])
         chunked.update(chunks=chunks, dk=dk_t, dv=dv_t)
         grid = (cdiv(spec.seqlen_k, cfg.block_n) * chunks, heads, spec.batch)
-        _bwd_dkdv[grid](q, k, v, do, lse2, delta, dk_t, dv_t, a.slopes, a.cu_q, a.cu_k, a.rng,
-                        *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk_t[0] if chunks > 1 else dk_t),
-                        *a.strides(dv_t[0] if chunks > 1 else dv_t), *l_strides, *common,
-                        a.skip(cfg.block_m, cfg.block_n), BLOCK_M=cfg.block_m,
-                        BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCORE_GRAD=a.score_grad, num_warps=cfg.num_warps,
-                        num_stages=cfg.num_stages, GROUP_LOOP=group_loop, **a.constexprs, **cap_args,
-                        q_chunks=chunks, stride_dkc=dk_t.stride(0) if chunks > 1 else 0,
-                        stride_dvc=dv_t.stride(0) if chunks > 1 else 0)
+        args = (q, k, v, do, lse2, delta, dk_t, dv_t, a.slopes, a.cu_q, a.cu_k, a.rng,
+                *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dk_t[0] if chunks > 1 else dk_t),
+                *a.strides(dv_t[0] if chunks > 1 else dv_t), *l_strides, *common, a.skip(cfg.block_m, cfg.block_n),
+                gcap, chunks, dk_t.stride(0) if chunks > 1 else 0, dv_t.stride(0) if chunks > 1 else 0)
+        _dkdv_launch(grid, args, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
+                                      SCORE_GRAD=a.score_grad, **a.constexprs, CAP_GRAD=cap_grad,
+                                      GROUP_LOOP=group_loop, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+                     direct=direct)
 
     def launch_dq(cfg):
         cfg = dq_config_with_mods(cfg, a)
         grid = (cdiv(spec.seqlen_q, cfg.block_m), hq, spec.batch)
-        _bwd_dq[grid](q, k, v, do, lse2, delta, dq, a.slopes, a.cu_q, a.cu_k, a.rng,
-                      *a.q_strides, *a.k_strides, *a.v_strides, *do_s, *a.strides(dq), *l_strides, *common,
-                      a.skip(cfg.block_m, cfg.block_n), BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
-                      SCORE_GRAD=a.score_grad, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs)
+        args = (q, k, v, do, lse2, delta, dq, a.slopes, a.cu_q, a.cu_k, a.rng, *a.q_strides, *a.k_strides,
+                *a.v_strides, *do_s, *a.strides(dq), *l_strides, *common, a.skip(cfg.block_m, cfg.block_n))
+        _dq_launch(grid, args, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split,
+                                    SCORE_GRAD=a.score_grad, **a.constexprs, num_warps=cfg.num_warps,
+                                    num_stages=cfg.num_stages), direct=direct)
 
     variant = (a.variant, a.constexprs["BLOCK_SKIP"], group_loop)
     launch_with_fallback("bwd_dkdv", spec, q.device, launch_dkdv, configs.get("bwd_dkdv"), variant)
@@ -510,6 +511,8 @@ def dq_config_with_mods(cfg, a: KernelArgs):
 
 
 _preprocess_launch = DirectLauncher(_bwd_preprocess)
+_dkdv_launch = DirectLauncher(_bwd_dkdv)
+_dq_launch = DirectLauncher(_bwd_dq)
 
 
 def _preprocess(spec, out, do, delta, l_strides, cu_q, dq_accum) -> None:
@@ -524,7 +527,5 @@ def _preprocess(spec, out, do, delta, l_strides, cu_q, dq_accum) -> None:
     meta = dict(DV=spec.head_dim_v, BLOCK_M=block_m, BLOCK_DV=block_dim(spec.head_dim_v), IS_VARLEN=varlen,
                 ALIGN=stride_align(*tensors), ZERO_DQ=dq_accum is not None, num_warps=4)
     grid = (cdiv(spec.seqlen_q, block_m), spec.heads_q, spec.batch)
-    if out.is_cuda:
-        _preprocess_launch(grid, args, meta)
-    else:   # Triton's interpreter (CPU tensors), or tools/gpu/compile_report.py compiling without a GPU
-        _bwd_preprocess[grid](*args, **meta)
+    # direct=False: Triton's interpreter (CPU tensors), or tools/gpu/compile_report.py compiling without a GPU
+    _preprocess_launch(grid, args, meta, direct=out.is_cuda)

@@ -27,6 +27,7 @@ import triton.language as tl
 from .common import (LN2_K, LOG2E_K, KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile,
                      mask_scores, offset, seq_bounds, live_row, tile_state, tile_part, transform_log2)
 from . import attn_fwd_hopper
+from .launch import DirectLauncher
 from .tuning import launch_with_fallback
 
 
@@ -125,12 +126,11 @@ def _attn_fwd(Q, K, V, Out, Lse, Lse2, Slopes, CuQ, CuK, Rng,
               stride_qb, stride_qs, stride_qh, stride_kb, stride_ks, stride_kh, stride_vb, stride_vs, stride_vh,
               stride_ob, stride_os, stride_oh, stride_lb, stride_lh, stride_slope_b,
               seqlen_q, seqlen_k, group, left, right, qk_scale, cap_in, cap_out, drop_threshold, drop_scale, mods,
-              skip, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+              skip, Pages, stride_pb, D: tl.constexpr, DV: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
               BLOCK_D: tl.constexpr, BLOCK_DV: tl.constexpr, IS_VARLEN: tl.constexpr, HAS_LEFT: tl.constexpr,
               HAS_RIGHT: tl.constexpr, SOFTCAP: tl.constexpr, ALIBI: tl.constexpr, DROPOUT: tl.constexpr,
               PRECISION: tl.constexpr, SPLIT: tl.constexpr, SCALE_FOLD: tl.constexpr, ALIGN: tl.constexpr,
-              SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr, Pages=None, stride_pb=0,
-              PAGE: tl.constexpr = 0):
+              SCORE_MOD: tl.constexpr, MASK_MOD: tl.constexpr, BLOCK_SKIP: tl.constexpr, PAGE: tl.constexpr):
     # IS_VARLEN 2 (a KV cache): CuK holds each entry's valid key count; PAGE > 0: the cache is paged, entry b's
     # page table the row Pages + b * stride_pb, and stride_kb / stride_vb are the cache's page strides.
     # Heaviest Q tiles (largest row index: most keys under causal) are scheduled first.
@@ -254,24 +254,29 @@ def kvcache_forward(spec, q, k_cache, v_cache, seqlens_k, block_table=None, alib
     a = KernelArgs(spec, q, k_cache, v_cache, alibi)
     a.cu_k = seqlens_k
     a.constexprs["IS_VARLEN"] = 2
-    pages = dict(Pages=block_table, stride_pb=block_table.stride(0), PAGE=spec.page_block_size) if spec.paged else {}
+    pages = (block_table, block_table.stride(0), spec.page_block_size) if spec.paged else (None, 0, 0)
     _launch(spec, q, k_cache, v_cache, out, lse, torch.empty_like(lse), out.stride()[:3], lse.stride()[:2], a, config,
             pages)
     return out, lse
 
 
-def _launch(spec, q, k, v, out, lse, lse2, o_strides, l_strides, a: KernelArgs, config, pages=None):
+_fwd_launch = DirectLauncher(_attn_fwd)
+
+
+def _launch(spec, q, k, v, out, lse, lse2, o_strides, l_strides, a: KernelArgs, config, pages=(None, 0, 0)):
+    """pages: (block_table, its row stride, page size) of a paged KV cache, else (None, 0, 0)."""
     scale_fold = spec.softmax_scale > 0 and spec.softcap == 0 and a.slopes is None and a.constexprs["SCORE_MOD"] is None
     a.cover(out)
+    table, stride_pb, page = pages
 
     def launch(cfg):
         grid = (cdiv(spec.seqlen_q, cfg.block_m), spec.heads_q, spec.batch)
-        _attn_fwd[grid](
-            q, k, v, out, lse, lse2, a.slopes, a.cu_q, a.cu_k, a.rng,
-            *a.q_strides, *a.k_strides, *a.v_strides, *o_strides, *l_strides, a.slope_stride,
-            a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,
-            a.drop_threshold, a.drop_scale, a.mods, a.skip(cfg.block_m, cfg.block_n),
-            BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCALE_FOLD=scale_fold,
-            num_warps=cfg.num_warps, num_stages=cfg.num_stages, **a.constexprs, **(pages or {}))
+        args = (q, k, v, out, lse, lse2, a.slopes, a.cu_q, a.cu_k, a.rng,
+                *a.q_strides, *a.k_strides, *a.v_strides, *o_strides, *l_strides, a.slope_stride,
+                a.seqlen_q, a.seqlen_k, a.group, a.left, a.right, a.qk_scale, a.cap_in, a.cap_out,
+                a.drop_threshold, a.drop_scale, a.mods, a.skip(cfg.block_m, cfg.block_n), table, stride_pb)
+        _fwd_launch(grid, args, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCALE_FOLD=scale_fold,
+                                     **a.constexprs, PAGE=page, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+                    direct=q.is_cuda)
 
     launch_with_fallback("fwd", spec, q.device, launch, config, (a.variant, a.constexprs["BLOCK_SKIP"]))

@@ -87,6 +87,8 @@ def _spec_class(x):
         return t
     if t is bool:
         return x
+    if t is tuple:   # the compiled mods' captured tensors, a block mask's skip arguments: specialised per element
+        return tuple(map(_spec_class, x))
     if isinstance(x, torch.Tensor):
         return (x.dtype, x.data_ptr() % 16 == 0)
     if isinstance(x, int):   # an int subclass (not bool, handled above)
@@ -96,8 +98,9 @@ def _spec_class(x):
 
 class DirectLauncher:
     """launcher(grid, args, meta): jit_fn[grid](*args, **meta), where args are the kernel's non-constexpr
-    parameters in order (Desc for a tensor descriptor) and meta its constexprs (in signature order, after
-    them) plus launch options (num_warps).  Compiled kernels are cached per specialisation class."""
+    parameters in order (Desc for a tensor descriptor) and meta its constexprs (every parameter after them, which
+    are part of the key by value: never a tensor) plus launch options (num_warps).  Compiled kernels are cached per
+    specialisation class.  direct=False: always the JIT (Triton's interpreter, CPU tensors)."""
 
     def __init__(self, jit_fn):
         self.jit_fn = jit_fn
@@ -116,8 +119,22 @@ class DirectLauncher:
         kernel = self.jit_fn.warmup(*_jit_args(args), grid=grid, **meta)
         return kernel.result() if hasattr(kernel, "result") else kernel
 
-    def __call__(self, grid, args, meta):
-        if not DIRECT:
+    def unbound(self, args, meta) -> list[str]:
+        """What would keep a direct launch from reproducing jit_fn[grid](*args, **meta): a constexpr among the
+        positional args, a parameter after them missing from meta, or a tensor in meta (a key by value would hold
+        it).  Empty: none (tests)."""
+        import inspect
+        params = inspect.signature(getattr(self.jit_fn, "fn", self.jit_fn)).parameters   # JIT or interpreted
+        constexprs = {n for n, p in params.items() if "constexpr" in str(p.annotation)}
+        names = list(params)
+        wrong = [f"constexpr {n} passed positionally" for n in names[:len(args)] if n in constexprs]
+        wrong += [f"{n} not in meta" for n in names[len(args):] if n not in meta]
+        tensors = [n for n, x in meta.items() if isinstance(x, torch.Tensor)
+                   or (isinstance(x, tuple) and any(isinstance(e, torch.Tensor) for e in x))]
+        return wrong + [f"tensor {n} in meta" for n in tensors]
+
+    def __call__(self, grid, args, meta, direct: bool = True):
+        if not (DIRECT and direct):
             self.jit_fn[grid](*_jit_args(args), **meta)
             return
         device = torch._C._cuda_getDevice()   # torch.cuda.current_device() without its lazy-init check
