@@ -16,6 +16,22 @@ SESSION=s25; . "$(dirname "$0")/session.sh"
 variants_on() { export FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW=1 FLASHPORT_HOPPER_FWD_SPLIT=1 \
     FLASHPORT_HOPPER_BWD_SPLIT=1 FLASHPORT_HOPPER_FWD_ALIBI=1 FLASHPORT_HOPPER_BWD_ALIBI=1; }
 case "$PART" in
+g) mkdir -p "$R/tier"   # one call, any sm_90 card, no FA4: the direct launches of the Triton kernels (row 96) checked
+   #   and timed, the Gluon variants (on by default now) fuzzed again, the workloads suite with the in-image peers
+   timeout ${AB_SECONDS:-90} python tools/gpu/host_ab_direct.py --out "$R/host_ab_direct.json" 2>&1 | grep -v Warning
+   save; tier triton:${TRITON_SECONDS:-120}
+   grep -E "^FAILED|Error" "$R/tier/triton.log" | cut -c1-240 | head -8
+   FLASHPORT_FUZZ_N=${FUZZ_TRITON_N:-400} timeout ${FUZZ_TRITON_SECONDS:-90} python -m pytest -q -s -p no:cacheprovider \
+       -p no:logging --tb=short tests/gpu/test_fuzz_gpu.py -k "test_fuzz_gpu and triton" > "$R/tier/fuzz_triton.log" 2>&1
+   echo "fuzz triton rc=$? $(grep -E '[0-9]+ (passed|failed)|status:' "$R/tier/fuzz_triton.log" | tr '\n' ' ')"; save
+   timeout ${FUZZ_SECONDS:-100} python -m flashport.fuzz --entries hopper --n ${FUZZ_N:-1800} --seed 2502 \
+       --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-100} - 35 )) \
+       --log "$R/fuzz_hopper.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_hopper.log"
+   echo "fuzz hopper rc=${PIPESTATUS[0]}"; grep -E "status:|gluon_(fwd|bwd)" "$R/fuzz_hopper.log" | head -12; save
+   mkdir -p "$R/workloads"
+   timeout ${WORK_SECONDS:-180} python -m flashport bench --suite workloads --out "$R/workloads" \
+       --peers flashport,flashport-triton,sdpa-cudnn,sdpa-fa2 2>&1 | grep -v "Warning\|warn(" > "$R/workloads/bench.log"
+   echo "workloads rc=${PIPESTATUS[0]}"; grep -E " ok " "$R/workloads/bench.log" | grep "flashport " | cut -c1-150 ;;
 f) ( variants_on
      timeout ${FUZZ_SECONDS:-230} python -m flashport.fuzz --entries hopper --n ${FUZZ_N:-900} --seed 25 \
          --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-230} - 40 )) \
@@ -30,18 +46,37 @@ f) ( variants_on
        | head -60; save
    for fixed in 0 1 0 1; do   # PERFLOG row 93: ragged paged decode with the fixed key chunks, alternating
      FLASHPORT_DECODE_FIXED_CHUNKS=$fixed timeout 60 python -m flashport bench --suite workloads --match "ragged|spec-verify" \
-         --peers flashport,sdpa-cudnn --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged|verify" | tail -4
+         --peers flashport-triton,sdpa-cudnn --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged|verify" | tail -4
    done ;;
 a) fa4_step1 ;;
-b) fa4_step2; mkdir -p "$R/workloads"   # 17 shapes x 6 peers: ~4.4 s a run on the H100 (24th session), 7-8 min
-   timeout ${WORK_SECONDS:-540} python -m flashport bench --suite workloads --out "$R/workloads" \
+b) fa4_step2; variants_on   # the switches as part f's verdict turns them on by default
+   timeout ${FUZZ_SECONDS:-150} python -m flashport.fuzz --entries hopper --n ${FUZZ_N:-2400} --seed 2501 \
+       --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-150} - 40 )) \
+       --log "$R/fuzz_hopper_h200.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_hopper_h200.log"
+   echo "fuzz rc=${PIPESTATUS[0]}"; grep -E "status:|gluon" "$R/fuzz_hopper_h200.log" | head -24; save
+   mkdir -p "$R/workloads"   # the dense shapes (9 of 17 x 6 peers; the 24th session's H100 ran 11 in ~430 s)
+   timeout ${WORK_SECONDS:-400} python -m flashport bench --suite workloads --out "$R/workloads" \
+       --match "llama3|mistral|gemma2|phi3|vit|dit|deepseek|fa3|sdxl" \
        --peers flashport,flashport-triton,fa4,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(\|exe_args" \
        > "$R/workloads/bench.log"
    echo "workloads rc=${PIPESTATUS[0]}"; tail -30 "$R/workloads/bench.log" | cut -c1-160 ;;
-c) fa4_env; mkdir -p "$R/programmable"   # the same warm machine, after b
-   timeout ${MASK_SECONDS:-400} python -m flashport bench --suite programmable --out "$R/programmable" \
+c) fa4_env; variants_on; mkdir -p "$R/workloads" "$R/programmable"   # the same warm machine, after b
+   timeout ${WORK_SECONDS:-150} python -m flashport bench --suite workloads --out "$R/workloads" \
+       --match "packed|chunked|spec|ragged" \
+       --peers flashport,flashport-triton,fa4,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(\|exe_args" \
+       > "$R/workloads/bench.log"
+   echo "workloads rest rc=${PIPESTATUS[0]}"; grep -E " ok | n/a " "$R/workloads/bench.log" | cut -c1-150 | head -30; save
+   timeout ${MASK_SECONDS:-300} python -m flashport bench --suite programmable --out "$R/programmable" \
        --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin,builtin-fa4 2>&1 \
        | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
-   echo "programmable rc=${PIPESTATUS[0]}"; grep -E " ok | failed " "$R/programmable/bench.log" | cut -c1-110 ;;
+   echo "programmable rc=${PIPESTATUS[0]}"; grep -E " ok | failed " "$R/programmable/bench.log" | cut -c1-110; save
+   for fixed in 1 0 1; do   # PERFLOG row 93 (decode is timed for flashport-triton: bench/peers.DECODE)
+     FLASHPORT_DECODE_FIXED_CHUNKS=$fixed timeout 40 python -m flashport bench --suite workloads --match "ragged" \
+         --peers flashport-triton --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged" | tail -2
+   done; save
+   cp flashport/configs/selection-nvidia-h200.json "$R/selection-before.json"   # the buckets the switches changed
+   timeout ${TUNE_SECONDS:-90} python -m flashport tune --suite workloads --match "swa|phi3|vit|dit" \
+       --out flashport/configs/selection-nvidia-h200.json > "$R/tune.log" 2>&1
+   echo "tune rc=$?"; tail -8 "$R/tune.log"; cp flashport/configs/selection-nvidia-h200.json "$R/" ;;
 esac
 save; ls -la "$OUT"
