@@ -17,7 +17,7 @@ variants_on() { export FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW
     FLASHPORT_HOPPER_BWD_SPLIT=1 FLASHPORT_HOPPER_FWD_ALIBI=1 FLASHPORT_HOPPER_BWD_ALIBI=1; }
 case "$PART" in
 g) mkdir -p "$R/tier"   # one call, any sm_90 card, no FA4: the direct launches of the Triton kernels (row 96) checked
-   #   and timed, the Gluon variants (on by default now) fuzzed again, the workloads suite with the in-image peers
+   #   and timed, the Gluon variants (on by default now) fuzzed again (~420 s)
    timeout ${AB_SECONDS:-90} python tools/gpu/host_ab_direct.py --out "$R/host_ab_direct.json" 2>&1 | grep -v Warning
    save; tier triton:${TRITON_SECONDS:-120}
    grep -E "^FAILED|Error" "$R/tier/triton.log" | cut -c1-240 | head -8
@@ -28,9 +28,14 @@ g) mkdir -p "$R/tier"   # one call, any sm_90 card, no FA4: the direct launches 
        --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-100} - 35 )) \
        --log "$R/fuzz_hopper.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_hopper.log"
    echo "fuzz hopper rc=${PIPESTATUS[0]}"; grep -E "status:|gluon_(fwd|bwd)" "$R/fuzz_hopper.log" | head -12; save
-   mkdir -p "$R/workloads"
-   timeout ${WORK_SECONDS:-180} python -m flashport bench --suite workloads --out "$R/workloads" \
-       --peers flashport,flashport-triton,sdpa-cudnn,sdpa-fa2 2>&1 | grep -v "Warning\|warn(" > "$R/workloads/bench.log"
+   ;;
+h) mkdir -p "$R/workloads"   # the same card after g: the buckets the variants changed re-tuned, then the workloads suite
+   cp flashport/configs/selection-nvidia-h200.json "$R/selection-before.json"
+   [[ "$(cat "$R/card.txt")" == *H200* ]] && { timeout ${TUNE_SECONDS:-150} python -m flashport tune --suite workloads \
+       --match "swa|phi3|vit|dit" --rounds 2 --out flashport/configs/selection-nvidia-h200.json > "$R/tune.log" 2>&1
+     echo "tune rc=$?"; tail -6 "$R/tune.log"; cp flashport/configs/selection-nvidia-h200.json "$R/"; save; }
+   timeout ${WORK_SECONDS:-420} python -m flashport bench --suite workloads --out "$R/workloads" \
+       --peers flashport,flashport-triton,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(" > "$R/workloads/bench.log"
    echo "workloads rc=${PIPESTATUS[0]}"; grep -E " ok " "$R/workloads/bench.log" | grep "flashport " | cut -c1-150 ;;
 f) ( variants_on
      timeout ${FUZZ_SECONDS:-230} python -m flashport.fuzz --entries hopper --n ${FUZZ_N:-900} --seed 25 \
