@@ -28,7 +28,10 @@ g) mkdir -p "$R/tier"   # one call, any sm_90 card, no FA4: the direct launches 
        --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-100} - 35 )) \
        --log "$R/fuzz_hopper.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_hopper.log"
    echo "fuzz hopper rc=${PIPESTATUS[0]}"; grep -E "status:|gluon_(fwd|bwd)" "$R/fuzz_hopper.log" | head -12; save
-   ;;
+   for fixed in 1 0 1 0; do   # PERFLOG row 93 (decode is timed for flashport-triton: bench/peers.DECODE)
+     FLASHPORT_DECODE_FIXED_CHUNKS=$fixed timeout 40 python -m flashport bench --suite workloads --match "ragged" \
+         --peers flashport-triton --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged" | tail -1 | cut -c1-200
+   done ;;
 h) mkdir -p "$R/workloads"   # the same card after g: the buckets the variants changed re-tuned, then the workloads suite
    cp flashport/configs/selection-nvidia-h200.json "$R/selection-before.json"
    [[ "$(cat "$R/card.txt")" == *H200* ]] && { timeout ${TUNE_SECONDS:-150} python -m flashport tune --suite workloads \
