@@ -225,6 +225,8 @@ def test_alibi_passes_the_forward_gate_unless_switched_off(monkeypatch, on_hoppe
     """The forward serves ALiBi slopes by default, FLASHPORT_HOPPER_FWD_ALIBI=0 (rollback) leaves them to the Triton
     kernel, each direction on its own switch; the launch carries the slopes and their batch stride."""
     from flashport.kernels import attn_bwd_hopper
+    monkeypatch.setattr(attn_bwd_hopper, "enabled", lambda: True)
+    monkeypatch.setattr(attn_bwd_hopper, "_capability", lambda index: (9, 0))
     slopes = torch.rand(2, 8)
     q = torch.empty(2, 1024, 8, 128, dtype=torch.bfloat16)
     k = torch.empty(2, 1024, 2, 128, dtype=torch.bfloat16)
