@@ -24,6 +24,7 @@ from flashport.kernels import launch  # noqa: E402
 
 CELLS = {   # name: (b, sq, sk, hq, hkv, d, dv, kwargs)
     "sdxl-cross b2 q4096 k77 h10 d64": (2, 4096, 77, 10, 10, 64, 64, {}),
+    "sdxl-cross, backend=None": (2, 4096, 77, 10, 10, 64, 64, dict(backend=None)),
     "mla b1 s1024 h16 d192/128 causal": (1, 1024, 1024, 16, 16, 192, 128, dict(causal=True)),
     "dit d72 b2 s1024 h16": (2, 1024, 1024, 16, 16, 72, 72, {}),
     "softcap b1 s1024 h8/4 d128 causal": (1, 1024, 1024, 8, 4, 128, 128, dict(causal=True, softcap=30.0)),
@@ -37,7 +38,8 @@ def _cell(b, sq, sk, hq, hkv, d, dv, kw):
     k = torch.randn(b, sk, hkv, d, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     v = torch.randn(b, sk, hkv, dv, device="cuda", dtype=torch.bfloat16, generator=g).requires_grad_()
     do = torch.randn(b, sq, hq, dv, device="cuda", dtype=torch.bfloat16, generator=g)
-    fwd = lambda: flashport.attention(q, k, v, backend="triton", **kw)  # noqa: E731
+    kw = {"backend": "triton", **kw}
+    fwd = lambda: flashport.attention(q, k, v, **kw)  # noqa: E731
     out = fwd()
     bwd = lambda: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
     return fwd, bwd
