@@ -62,6 +62,10 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_HOPPER_BWD_WINDOW", "1", "0: the Hopper backward leaves sliding windows (Sq == Sk; tiles outside "
                                                "the band skipped) to the Triton kernels (rollback switch; PERFLOG "
                                                "rows 78, 95)"),
+    Switch("FLASHPORT_TRITON_DIRECT", "0", "1: the portable Triton kernels (forward, dK/dV, dQ) are launched directly "
+                                           "after their first call, without JITFunction.run's per-call work, as the "
+                                           "Gluon kernels are (off until a GPU run checks and times it: PERFLOG row "
+                                           "96)"),
     Switch("FLASHPORT_DECODE_FIXED_CHUNKS", "0", "1: the KV-cache kernel cuts every sequence into key chunks of one size "
                                                  "(the capacity's share per split), not each sequence's own keys "
                                                  "into num_splits shares: ragged batches run fewer, fuller programs "

@@ -423,7 +423,7 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     if mods is not None and mods.cap_grad is not None:   # gradients of the tensors the score_mod reads
         cap_bufs, gcap = mods.gcap()
         cap_grad = mods.cap_grad
-    direct = q.is_cuda   # kernels/launch.py (Triton's interpreter takes the JIT path)
+    direct = q.is_cuda and env.flag("FLASHPORT_TRITON_DIRECT")   # kernels/launch.py (the interpreter: the JIT)
 
     chunked = {}   # the launch's float32 partials over Q chunks, when q_chunks() splits (summed below)
 

@@ -26,6 +26,7 @@ import triton.language as tl
 
 from .common import (LN2_K, LOG2E_K, KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile,
                      mask_scores, offset, seq_bounds, live_row, tile_state, tile_part, transform_log2)
+from .. import env
 from . import attn_fwd_hopper
 from .launch import DirectLauncher
 from .tuning import launch_with_fallback
@@ -268,6 +269,7 @@ def _launch(spec, q, k, v, out, lse, lse2, o_strides, l_strides, a: KernelArgs, 
     scale_fold = spec.softmax_scale > 0 and spec.softcap == 0 and a.slopes is None and a.constexprs["SCORE_MOD"] is None
     a.cover(out)
     table, stride_pb, page = pages
+    direct = q.is_cuda and env.flag("FLASHPORT_TRITON_DIRECT")   # kernels/launch.py (the interpreter: the JIT)
 
     def launch(cfg):
         grid = (cdiv(spec.seqlen_q, cfg.block_m), spec.heads_q, spec.batch)
@@ -277,6 +279,6 @@ def _launch(spec, q, k, v, out, lse, lse2, o_strides, l_strides, a: KernelArgs, 
                 a.drop_threshold, a.drop_scale, a.mods, a.skip(cfg.block_m, cfg.block_n), table, stride_pb)
         _fwd_launch(grid, args, dict(BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, SPLIT=cfg.split, SCALE_FOLD=scale_fold,
                                      **a.constexprs, PAGE=page, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
-                    direct=q.is_cuda)
+                    direct=direct)
 
     launch_with_fallback("fwd", spec, q.device, launch, config, (a.variant, a.constexprs["BLOCK_SKIP"]))

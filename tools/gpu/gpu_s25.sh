@@ -16,7 +16,7 @@ SESSION=s25; . "$(dirname "$0")/session.sh"
 variants_on() { export FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW=1 FLASHPORT_HOPPER_FWD_SPLIT=1 \
     FLASHPORT_HOPPER_BWD_SPLIT=1 FLASHPORT_HOPPER_FWD_ALIBI=1 FLASHPORT_HOPPER_BWD_ALIBI=1; }
 case "$PART" in
-g) mkdir -p "$R/tier"   # one call, any sm_90 card, no FA4: the direct launches of the Triton kernels (row 96) checked
+g) mkdir -p "$R/tier"; export FLASHPORT_TRITON_DIRECT=1   # one call, any sm_90 card, no FA4: the direct launches of the Triton kernels (row 96) checked
    #   and timed, the Gluon variants (on by default now) fuzzed again (~420 s)
    timeout ${AB_SECONDS:-90} python tools/gpu/host_ab_direct.py --out "$R/host_ab_direct.json" 2>&1 | grep -v Warning
    save; tier triton:${TRITON_SECONDS:-110}
@@ -32,7 +32,7 @@ g) mkdir -p "$R/tier"   # one call, any sm_90 card, no FA4: the direct launches 
      FLASHPORT_DECODE_FIXED_CHUNKS=$fixed timeout 40 python -m flashport bench --suite workloads --match "ragged" \
          --peers flashport-triton --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged" | tail -1 | cut -c1-200
    done ;;
-h) mkdir -p "$R/workloads"   # the same card after g: the buckets the variants changed re-tuned, then the workloads suite
+h) mkdir -p "$R/workloads"; export FLASHPORT_TRITON_DIRECT=${FLASHPORT_TRITON_DIRECT:-1}   # the same card after g: the buckets the variants changed re-tuned, then the workloads suite
    cp flashport/configs/selection-nvidia-h200.json "$R/selection-before.json"
    [[ "$(cat "$R/card.txt")" == *H200* ]] && { timeout ${TUNE_SECONDS:-150} python -m flashport tune --suite workloads \
        --match "swa|phi3|vit|dit" --rounds 2 --out flashport/configs/selection-nvidia-h200.json > "$R/tune.log" 2>&1

@@ -1,6 +1,6 @@
 """Same-process A/B of the portable Triton kernels' direct launches (kernels/launch.py; PERFLOG row 96): host
-microseconds per eager call and GPU milliseconds, forward and backward, with `launch.DIRECT` off (every launch
-through JITFunction.run) and on, in alternating rounds, on the cells these kernels serve on Hopper (few keys,
+microseconds per eager call and GPU milliseconds, forward and backward, with FLASHPORT_TRITON_DIRECT=0 (every
+launch of these kernels through JITFunction.run) and 1, in alternating rounds, on the cells these kernels serve on Hopper (few keys,
 Dv != D, D=72, softcap, varlen, chunked prefill).  Each cell's outputs and gradients must match bitwise between
 the two sides (the same compiled kernels run).
 
@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -51,17 +52,21 @@ def main() -> int:
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     result = {"card": torch.cuda.get_device_name(), "direct_available": launch.DIRECT, "cells": {}}
+    before = os.environ.get("FLASHPORT_TRITON_DIRECT")
     for name, shape in CELLS.items():
         fwd, bwd = _cell(*shape)
         rows = {False: [], True: []}
         answers = {}
         for _ in range(a.rounds):
             for direct in (False, True):
-                launch.DIRECT = direct and result["direct_available"]
+                os.environ["FLASHPORT_TRITON_DIRECT"] = "1" if direct else "0"
                 answers[direct] = [t.clone() for t in (fwd(), *bwd())]
                 rows[direct].append(dict(fwd_host_us=host_us(fwd), bwd_host_us=host_us(bwd), fwd_ms=gpu_ms(fwd),
                                          bwd_ms=gpu_ms(bwd)))
-        launch.DIRECT = result["direct_available"]
+        if before is None:
+            del os.environ["FLASHPORT_TRITON_DIRECT"]
+        else:
+            os.environ["FLASHPORT_TRITON_DIRECT"] = before
         same = all(torch.equal(x, y) for x, y in zip(answers[False], answers[True]))
         med = {side: {m: statistics.median(r[m] for r in rows[side]) for m in rows[side][0]} for side in rows}
         result["cells"][name] = {"jit": med[False], "direct": med[True], "rounds": rows[False] + rows[True],
