@@ -18,12 +18,13 @@ variants_on() { export FLASHPORT_HOPPER_FWD_WINDOW=1 FLASHPORT_HOPPER_BWD_WINDOW
 case "$PART" in
 g) mkdir -p "$R/tier"; export FLASHPORT_TRITON_DIRECT=1   # one call, any sm_90 card, no FA4: the direct launches of the Triton kernels (row 96) checked
    #   and timed, the Gluon variants (on by default now) fuzzed again (~420 s)
-   timeout ${AB_SECONDS:-90} python tools/gpu/host_ab_direct.py --out "$R/host_ab_direct.json" 2>&1 | grep -v Warning
-   save; tier triton:${TRITON_SECONDS:-100}
+   tier triton:${TRITON_SECONDS:-100}
    grep -E "^FAILED|Error" "$R/tier/triton.log" | cut -c1-240 | head -8
    FLASHPORT_FUZZ_N=${FUZZ_TRITON_N:-400} timeout ${FUZZ_TRITON_SECONDS:-80} python -m pytest -q -s -p no:cacheprovider \
        -p no:logging --tb=short tests/gpu/test_fuzz_gpu.py -k "test_fuzz_gpu and triton" > "$R/tier/fuzz_triton.log" 2>&1
    echo "fuzz triton rc=$? $(grep -E '[0-9]+ (passed|failed)|status:' "$R/tier/fuzz_triton.log" | tr '\n' ' ')"; save
+   timeout ${AB_SECONDS:-90} python tools/gpu/host_ab_direct.py --out "$R/host_ab_direct.json" 2>&1 | grep -v Warning
+   save
    timeout ${FUZZ_SECONDS:-80} python -m flashport.fuzz --entries hopper --n ${FUZZ_N:-1800} --seed 2502 \
        --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-80} - 30 )) \
        --log "$R/fuzz_hopper.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_hopper.log"
