@@ -20,9 +20,10 @@ g) mkdir -p "$R/tier"; export FLASHPORT_TRITON_DIRECT=1   # one call, any sm_90 
    #   and timed, the Gluon variants (on by default now) fuzzed again (~420 s)
    tier triton:${TRITON_SECONDS:-100}
    grep -E "^FAILED|Error" "$R/tier/triton.log" | cut -c1-240 | head -8
-   FLASHPORT_FUZZ_N=${FUZZ_TRITON_N:-400} timeout ${FUZZ_TRITON_SECONDS:-80} python -m pytest -q -s -p no:cacheprovider \
-       -p no:logging --tb=short tests/gpu/test_fuzz_gpu.py -k "test_fuzz_gpu and triton" > "$R/tier/fuzz_triton.log" 2>&1
-   echo "fuzz triton rc=$? $(grep -E '[0-9]+ (passed|failed)|status:' "$R/tier/fuzz_triton.log" | tr '\n' ' ')"; save
+   timeout ${FUZZ_TRITON_SECONDS:-80} python -m flashport.fuzz --backend triton --n ${FUZZ_TRITON_N:-1000} --seed 2503 \
+       --dtype bfloat16,float16,float32 --device cuda --max-seconds $(( ${FUZZ_TRITON_SECONDS:-80} - 25 )) \
+       --log "$R/fuzz_triton.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_triton.log"
+   echo "fuzz triton rc=${PIPESTATUS[0]}"; grep -E "status:|cases in|^attention|^attention_" "$R/fuzz_triton.log" | head -8; save
    timeout ${AB_SECONDS:-90} python tools/gpu/host_ab_direct.py --out "$R/host_ab_direct.json" 2>&1 | grep -v Warning
    save
    timeout ${FUZZ_SECONDS:-80} python -m flashport.fuzz --entries hopper --n ${FUZZ_N:-1800} --seed 2502 \
