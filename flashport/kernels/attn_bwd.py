@@ -34,7 +34,7 @@ from .. import env
 from .common import (LN2_K, LOG2E_K, KernelArgs, block_dim, cdiv, dropout_keep, head_scalars, head_strides, key_tiles,
                      load_head_tile, load_tile, mask_scores, offset, query_tiles, seq_bounds, stride_align, live_row, tile_state,
                      tile_part, transform_log2)
-from .launch import DirectLauncher
+from .launch import DirectLauncher, triton_direct
 from .tuning import INTERPRETER_CONFIG, interpreting, launch_with_fallback
 
 
@@ -423,7 +423,7 @@ def backward(spec, do, q, k, v, out, lse2, alibi=None, cu_seqlens_q=None, cu_seq
     if mods is not None and mods.cap_grad is not None:   # gradients of the tensors the score_mod reads
         cap_bufs, gcap = mods.gcap()
         cap_grad = mods.cap_grad
-    direct = q.is_cuda and env.flag("FLASHPORT_TRITON_DIRECT")   # kernels/launch.py (the interpreter: the JIT)
+    direct = triton_direct(q)
 
     chunked = {}   # the launch's float32 partials over Q chunks, when q_chunks() splits (summed below)
 

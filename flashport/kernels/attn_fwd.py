@@ -26,9 +26,8 @@ import triton.language as tl
 
 from .common import (LN2_K, LOG2E_K, KernelArgs, cdiv, dropout_keep, head_scalars, key_tiles, load_head_tile, load_tile,
                      mask_scores, offset, seq_bounds, live_row, tile_state, tile_part, transform_log2)
-from .. import env
 from . import attn_fwd_hopper
-from .launch import DirectLauncher
+from .launch import DirectLauncher, triton_direct
 from .tuning import launch_with_fallback
 
 
@@ -269,7 +268,7 @@ def _launch(spec, q, k, v, out, lse, lse2, o_strides, l_strides, a: KernelArgs, 
     scale_fold = spec.softmax_scale > 0 and spec.softcap == 0 and a.slopes is None and a.constexprs["SCORE_MOD"] is None
     a.cover(out)
     table, stride_pb, page = pages
-    direct = q.is_cuda and env.flag("FLASHPORT_TRITON_DIRECT")   # kernels/launch.py (the interpreter: the JIT)
+    direct = triton_direct(q)
 
     def launch(cfg):
         grid = (cdiv(spec.seqlen_q, cfg.block_m), spec.heads_q, spec.batch)

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import torch
 
+from .. import env
+
 # Both imports are private or young Triton API (tested on 3.6).  Each may be missing on its own; a missing one
 # leaves a defined None, never a name that fails at the first launch.  Without knobs (or its launch hooks)
 # every launch takes the plain JIT path; TensorDescriptor only matters to the Gluon (Hopper) kernels, which
@@ -41,6 +43,12 @@ def _has_private_api() -> bool:
 
 
 DIRECT = _has_private_api()   # False: DirectLauncher is kernel[grid](...) and nothing else
+
+
+def triton_direct(t: torch.Tensor) -> bool:
+    """The `direct` of the portable Triton kernels' launches: CUDA tensors (the interpreter takes the JIT) and
+    FLASHPORT_TRITON_DIRECT=1 (off until a GPU run checks and times it)."""
+    return t.is_cuda and env.flag("FLASHPORT_TRITON_DIRECT")
 _JIT_ONLY = ("jit only",)     # a cache entry for a compiled kernel that lacks the fields the direct path needs
 
 

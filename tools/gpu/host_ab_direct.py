@@ -63,10 +63,6 @@ def main() -> int:
                 answers[direct] = [t.clone() for t in (fwd(), *bwd())]
                 rows[direct].append(dict(fwd_host_us=host_us(fwd), bwd_host_us=host_us(bwd), fwd_ms=gpu_ms(fwd),
                                          bwd_ms=gpu_ms(bwd)))
-        if before is None:
-            del os.environ["FLASHPORT_TRITON_DIRECT"]
-        else:
-            os.environ["FLASHPORT_TRITON_DIRECT"] = before
         same = all(torch.equal(x, y) for x, y in zip(answers[False], answers[True]))
         med = {side: {m: statistics.median(r[m] for r in rows[side]) for m in rows[side][0]} for side in rows}
         result["cells"][name] = {"jit": med[False], "direct": med[True], "rounds": rows[False] + rows[True],
@@ -75,6 +71,10 @@ def main() -> int:
         print(f"{name:38} host fwd {j['fwd_host_us']:6.0f} -> {d['fwd_host_us']:6.0f} us  bwd {j['bwd_host_us']:6.0f}"
               f" -> {d['bwd_host_us']:6.0f} us | ms fwd {j['fwd_ms']:.3f} -> {d['fwd_ms']:.3f}  bwd {j['bwd_ms']:.3f}"
               f" -> {d['bwd_ms']:.3f} | bitwise {'equal' if same else 'DIFFERENT'}", flush=True)
+    if before is None:
+        del os.environ["FLASHPORT_TRITON_DIRECT"]
+    else:
+        os.environ["FLASHPORT_TRITON_DIRECT"] = before
     if a.out:
         a.out.write_text(json.dumps(result, indent=1))
     return 0
