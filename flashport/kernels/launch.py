@@ -18,8 +18,6 @@ from __future__ import annotations
 
 import torch
 
-from .. import env
-
 # Both imports are private or young Triton API (tested on 3.6).  Each may be missing on its own; a missing one
 # leaves a defined None, never a name that fails at the first launch.  Without knobs (or its launch hooks)
 # every launch takes the plain JIT path; TensorDescriptor only matters to the Gluon (Hopper) kernels, which
@@ -47,7 +45,9 @@ DIRECT = _has_private_api()   # False: DirectLauncher is kernel[grid](...) and n
 
 def triton_direct(t: torch.Tensor) -> bool:
     """The `direct` of the portable Triton kernels' launches: CUDA tensors (the interpreter takes the JIT) and
-    FLASHPORT_TRITON_DIRECT=1 (off until a GPU run checks and times it)."""
+    FLASHPORT_TRITON_DIRECT=1 (off until a GPU run checks and times it).  env is imported here: the launch tests load
+    this module on its own, outside the package."""
+    from .. import env
     return t.is_cuda and env.flag("FLASHPORT_TRITON_DIRECT")
 _JIT_ONLY = ("jit only",)     # a cache entry for a compiled kernel that lacks the fields the direct path needs
 
