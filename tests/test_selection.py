@@ -215,28 +215,45 @@ def test_a_backend_slow_on_a_gpu_ranks_last_there_whatever_it_prefers():
     assert BlockwiseBackend.slow_on_gpu
 
 
-def test_static_priority_gives_d256_training_to_cudnn_on_hopper(monkeypatch):
-    """Where no table bucket fits, a dense training call at D=256 on Hopper ranks cuDNN's plan first: our
-    kernels' backward runs at 0.55-0.74x cuDNN's there, and cuDNN's fwd + bwd is 1.34-1.67x faster in every
-    D=256 bucket the H200 table measured.  Inference at D=256, training at D=128, and other cards keep ours first."""
+def test_static_priority_puts_cudnn_first_on_hopper_where_the_table_measured_it_faster(monkeypatch):
+    """Where no table bucket fits, static priority on Hopper ranks cuDNN's plan before ours (backend/triton.py:
+    cudnn_first) for D=256 training calls, and with FLASHPORT_CUDNN_FIRST=1 for the other dense calls where the H200
+    table measured it faster: training calls over fewer than 64k keys, short inference calls at D <= 128, head dims
+    the Gluon kernels split.  Long training calls, long inference calls, D=256 inference, float32 and other cards
+    keep ours first; the Triton kernels defer at padded head dims whatever the switch says.  FA2 and the
+    memory-efficient kernel never rank before ours."""
     import dataclasses
 
     from flashport.backend import triton as triton_backend
 
-    def spec(d, grad, causal=False, window=(-1, -1)):
-        q = torch.empty(2, 1024, 4, d, dtype=torch.bfloat16, device="meta", requires_grad=grad)
-        s, _ = dense_spec(q, q, q, causal=causal, softmax_scale=None, window_size=window, softcap=0.0,
-                          alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
-        return dataclasses.replace(s, device=torch.device("cuda", 0))
+    def spec(d, grad, causal=False, s=1024, b=2, h=4, dv=None, dtype=torch.bfloat16):
+        q = torch.empty(b, s, h, d, dtype=dtype, device="meta", requires_grad=grad)
+        v = torch.empty(b, s, h, dv or d, dtype=dtype, device="meta", requires_grad=grad)
+        out, _ = dense_spec(q, q, v, causal=causal, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
+                            alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
+        return dataclasses.replace(out, device=torch.device("cuda", 0))
 
-    ours = [dispatch.get("triton"), dispatch.get("gluon")]
+    triton, gluon = dispatch.get("triton"), dispatch.get("gluon")
     monkeypatch.setattr(triton_backend, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)   # the interpreter tier sets it process-wide
     assert spec(256, True).needs_grad and not spec(256, False).needs_grad
-    for b in ours:
-        assert not b.prefers(spec(256, True), "fwd"), b.name
-        assert not b.prefers(spec(256, True, causal=True), "fwd"), b.name
-    assert dispatch.get("triton").prefers(spec(256, False), "fwd")
-    assert dispatch.get("triton").prefers(spec(128, True), "fwd")
+    always = [spec(256, True), spec(256, True, causal=True)]
+    switched = [spec(128, True), spec(64, True, causal=True), spec(128, True, s=32768, h=32), spec(64, False),
+                spec(128, False, causal=True, s=4096, h=8), spec(96, False, s=16384, h=32), spec(192, True, dv=128),
+                spec(80, True), spec(128, False, dtype=torch.float16)]
+    never = [spec(128, True, s=1 << 16, b=1, h=1), spec(256, False), spec(128, False, s=16384, h=32),
+             spec(64, False, s=8192, h=32), spec(128, True, dtype=torch.float32)]
+    for on in ("0", "1"):
+        monkeypatch.setenv("FLASHPORT_CUDNN_FIRST", on)
+        for s in always + switched + never:
+            first = s in always or (on == "1" and s in switched)
+            assert triton_backend.cudnn_first(s) == first, (on, s)
+            if first:
+                assert not gluon.prefers(s, "fwd"), (on, s)
+            assert triton.prefers(s, "fwd") == (not (first or triton_backend.padded_dims(s))), (on, s)
+            assert dispatch.get("sdpa-cudnn").prefers(s, "fwd")
+            assert not dispatch.get("sdpa-flash").prefers(s, "fwd")
+            assert not dispatch.get("sdpa-efficient").prefers(s, "fwd")
     monkeypatch.setattr(triton_backend, "_capability", lambda index: (8, 0))   # an A100: no such measurement
-    assert dispatch.get("triton").prefers(spec(256, True), "fwd")
+    for s in always + switched:
+        assert triton.prefers(s, "fwd"), s

@@ -236,6 +236,12 @@ class SdpaKernelBackend(SdpaBackend):
         self.name = f"sdpa-{kernel}"
         self.__doc__ = f"`{self.name}`: PyTorch SDPA's {what} kernel alone, on CUDA. " + SdpaKernelBackend.__doc__
 
+    def prefers(self, spec: AttnSpec, role: str) -> bool:
+        # Static priority (no table bucket fits): cuDNN where flashport's kernels defer to it; FA2 and the
+        # memory-efficient kernel come after flashport's kernels, which beat them in every bucket of the shipped
+        # tables but D=256 training (FA2 within 4% there in 5 of 14 buckets; cuDNN, 1.3-1.7x faster, takes those).
+        return self.kernels[0] == "cudnn"
+
     def availability(self) -> list[str]:
         if not torch.cuda.is_available():
             return ["no CUDA device"]

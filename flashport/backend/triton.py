@@ -64,12 +64,39 @@ def _on_hopper(spec: AttnSpec) -> bool:
     return _capability(index)[0] == 9
 
 
-def cudnn_trains_faster(spec: AttnSpec) -> bool:
-    """Dense training calls at D=256: these kernels' backward runs at 0.55-0.74x cuDNN's on Hopper, which their
-    forward's lead (1.07x) cannot repay -- cuDNN's fwd + bwd is 1.34-1.67x faster in every D=256 bucket of the H200
-    table (S 512-16k, causal or not, GQA) and on the H100 (results/s24_h100/B/workloads/).  Where no table bucket
-    fits, static priority then tries cuDNN's own plan first (it refuses windows and softcap, which stay here)."""
-    return spec.needs_grad and spec.head_dim == 256 and spec.kind == "dense"
+# Where no table bucket fits, the dense calls whose static priority puts cuDNN's own plan first on Hopper.  From the
+# H200 table (flashport/configs/selection-nvidia-h200.json, the 48 dense bf16 buckets that time both): cuDNN's forward
+# + backward beats the best pair of these kernels in 47 of 48 training buckets -- 1.02-1.15x at D=64 / 128 (S 512-16k,
+# causal or not, GQA 32/8), 1.34-1.67x at D=256, 1.5-2.2x at D=72 / 80 / 96 / 192-128 -- and trails only at S=128k
+# causal (0.97x); its inference forward wins every bucket at D <= 128 up to 137 GFLOP (0.83-0.93x ours, one tie, one
+# 1.04x the other way), where the call is short enough that host time counts.
+LONG_KEYS = 1 << 16                 # training calls from here on keep these kernels (the one bucket they win)
+SMALL_FORWARD_FLOPS = 3 << 36       # ~206 GFLOP (monitor.flops): inference calls below it go to cuDNN first
+
+
+def padded_dims(spec: AttnSpec) -> bool:
+    """Head dims the Triton kernels pad to the next power of two in every dot (the Gluon kernels split 80 / 96)."""
+    return spec.head_dim not in (64, 128, 256) or spec.head_dim_v != spec.head_dim
+
+
+def cudnn_first(spec: AttnSpec) -> bool:
+    """Whether static priority ranks cuDNN's plan ahead of these kernels and the Gluon ones for a dense fp16 / bf16
+    call on Hopper (the caller checks the card): training calls at D=256 (row 94); with FLASHPORT_CUDNN_FIRST=1
+    also training calls over fewer than LONG_KEYS keys, inference calls at D <= 128 under SMALL_FORWARD_FLOPS and
+    the head dims the Gluon kernels split.  cuDNN refuses windows, softcap, ALiBi and deterministic backwards, which
+    auto then gives to the next plan: these kernels (the SDPA kernels after cuDNN prefer nothing)."""
+    if spec.kind != "dense" or spec.dtype not in (torch.float16, torch.bfloat16):
+        return False
+    if spec.needs_grad and spec.head_dim == 256 and spec.head_dim_v == 256:
+        return True
+    if not env.flag("FLASHPORT_CUDNN_FIRST"):
+        return False
+    if padded_dims(spec):
+        return True
+    if spec.needs_grad:
+        return spec.seqlen_k < LONG_KEYS
+    from ..monitor import flops
+    return spec.head_dim <= 128 and flops(spec) < SMALL_FORWARD_FLOPS
 
 
 def _capability(index: int) -> tuple[int, int]:
@@ -152,13 +179,11 @@ class TritonBackend(dispatch.Backend):
             # On a GPU the compiled mods come first; a mod the generator cannot compile is refused by input_reasons,
             # and auto takes the next plan (blockwise serves every mod).  Under the interpreter (CPU) they come last.
             return spec.device.type == "cuda"
-        # Where no table bucket fits: on Hopper, cuDNN runs dense calls at head dims other than 64/128/256
-        # (or Dv != D) 1.3-2x faster than these kernels, which pad such dims to the next power of two
-        # (results/issue8_h200_s12/, D = 72, 80, 96, 192/128).
         if spec.kind != "dense" or spec.device.type != "cuda" or _interpreting():
             return True
-        odd = spec.head_dim not in (64, 128, 256) or spec.head_dim_v != spec.head_dim
-        return not ((odd or cudnn_trains_faster(spec)) and _on_hopper(spec))
+        # on Hopper, cuDNN runs the head dims these kernels pad 1.3-2x faster (results/issue8_h200_s12/, D = 72, 80,
+        # 96, 192/128)
+        return not ((padded_dims(spec) or cudnn_first(spec)) and _on_hopper(spec))
 
     def input_reasons(self, spec: AttnSpec, inputs: AttnInputs) -> list[str]:
         return mods_reasons(spec, inputs)

@@ -42,6 +42,9 @@ def main() -> int:
     ap.add_argument("--hkv", type=int, default=None)
     ap.add_argument("--d", type=int, default=64)
     ap.add_argument("--causal", action="store_true")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="time every impl again in later rounds, in reversed order each round (a first-measured "
+                         "penalty shows as a difference between rounds, not between impls)")
     ap.add_argument("--out", type=Path)
     a = ap.parse_args()
     hkv = a.hkv or a.h
@@ -89,6 +92,16 @@ def main() -> int:
         print(f"{name:15} plan={row.get('plan', '-'):14} fwd {row['fwd_ms']:.3f} ms (host {row['fwd_host_us']:.0f} us)"
               f"  bwd {row['bwd_ms']:.3f} ms (host {row['bwd_host_us']:.0f} us)", flush=True)
         print(row["bwd_profile"], flush=True)
+    for rnd in range(1, a.rounds):   # the later rounds: timings only, order reversed each time
+        for name in (list(impls)[::-1] if rnd % 2 else list(impls)):
+            fwd = impls[name]
+            out = fwd()
+            bwd = lambda out=out: torch.autograd.grad(out, (q, k, v), do, retain_graph=True)  # noqa: E731
+            row = {"fwd_ms": gpu_ms(fwd), "fwd_host_us": host_us(fwd), "bwd_ms": gpu_ms(bwd),
+                   "bwd_host_us": host_us(bwd)}
+            result.setdefault("rounds", []).append({"round": rnd, "impl": name} | row)
+            print(f"round {rnd} {name:15} fwd {row['fwd_ms']:.3f} ms (host {row['fwd_host_us']:.0f} us)"
+                  f"  bwd {row['bwd_ms']:.3f} ms (host {row['bwd_host_us']:.0f} us)", flush=True)
     if "bwd_cprofile" in result["impls"]["backend=None"]:
         print(result["impls"]["backend=None"]["bwd_cprofile"][:6000])
     if a.out:

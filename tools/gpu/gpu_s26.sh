@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# The 26th session's device calls.  Each part returns $OUT/<part>.tgz (results under /tmp/s26_<part>).
+#   PART=g (one call, ~540 s, any sm_90 card, no FA4): the direct launches of the Triton kernels (PERFLOG row 96:
+#          FLASHPORT_TRITON_DIRECT=1) through the triton GPU tier and a triton fuzz, then timed against the JIT path
+#          (tools/gpu/host_ab_direct.py); the SDXL cell's backend=None vs backend='triton' host time with the order
+#          reversed per round (row 92: a first-measured penalty?); an auto fuzz with FLASHPORT_CUDNN_FIRST=1 (row 97:
+#          cuDNN first where no table bucket fits, counted by its backend:sdpa-cudnn line); ragged paged decode with
+#          FLASHPORT_DECODE_FIXED_CHUNKS 1 / 0 (row 93)
+#   PART=h (the same warm card if an H200, ~580 s): the table's buckets the Gluon variants changed re-tuned, with the
+#          SDXL cell's, then the workloads suite with every peer but FA4 (FLASHPORT_CUDNN_FIRST as the caller sets)
+SESSION=s26; . "$(dirname "$0")/session.sh"
+case "$PART" in
+g) export FLASHPORT_TRITON_DIRECT=1
+   tier triton:${TRITON_SECONDS:-100}
+   grep -E "^FAILED|Error" "$R/tier/triton.log" | cut -c1-240 | head -8
+   timeout ${FUZZ_TRITON_SECONDS:-80} python -m flashport.fuzz --backend triton --n ${FUZZ_TRITON_N:-1000} --seed 2603 \
+       --dtype bfloat16,float16,float32 --device cuda --max-seconds $(( ${FUZZ_TRITON_SECONDS:-80} - 25 )) \
+       --log "$R/fuzz_triton.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_triton.log"
+   echo "fuzz triton rc=${PIPESTATUS[0]}"; grep -E "status:|cases in|^attention|^varlen|^kvcache" "$R/fuzz_triton.log" | head -8; save
+   timeout ${AB_SECONDS:-90} python tools/gpu/host_ab_direct.py --out "$R/host_ab_direct.json" 2>&1 | grep -v Warning
+   save
+   timeout ${CELL_SECONDS:-50} python tools/gpu/probe_cell.py --rounds 3 --out "$R/cell_sdxl_rounds.json" 2>&1 \
+       | grep -E "^round|plan="; save
+   FLASHPORT_CUDNN_FIRST=1 FLASHPORT_TABLE=off timeout ${FUZZ_SECONDS:-80} python -m flashport.fuzz --n ${FUZZ_N:-1500} \
+       --seed 2604 --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-80} - 25 )) \
+       --log "$R/fuzz_cudnn_first.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_cudnn_first.log"
+   echo "fuzz cudnn-first rc=${PIPESTATUS[0]}"; grep -E "status:|backend:" "$R/fuzz_cudnn_first.log" | head -12; save
+   for fixed in 1 0; do   # decode rows time flashport-triton (bench/peers.DECODE)
+     FLASHPORT_DECODE_FIXED_CHUNKS=$fixed timeout 40 python -m flashport bench --suite workloads --match "ragged" \
+         --peers flashport-triton --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged" | tail -1 | cut -c1-200
+   done ;;
+h) mkdir -p "$R/workloads"; export FLASHPORT_TRITON_DIRECT=${FLASHPORT_TRITON_DIRECT:-0}
+   echo "FLASHPORT_CUDNN_FIRST=${FLASHPORT_CUDNN_FIRST:-0} FLASHPORT_TRITON_DIRECT=$FLASHPORT_TRITON_DIRECT" | tee "$R/switches.txt"
+   cp flashport/configs/selection-nvidia-h200.json "$R/selection-before.json"
+   [[ "$(cat "$R/card.txt")" == *H200* ]] && { timeout ${TUNE_SECONDS:-150} python -m flashport tune --suite workloads \
+       --match "swa|phi3|vit|dit|sdxl" --rounds 2 --out flashport/configs/selection-nvidia-h200.json > "$R/tune.log" 2>&1
+     echo "tune rc=$?"; tail -6 "$R/tune.log"; cp flashport/configs/selection-nvidia-h200.json "$R/"; save; }
+   timeout ${WORK_SECONDS:-400} python -m flashport bench --suite workloads --out "$R/workloads" \
+       --peers flashport,flashport-triton,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(" > "$R/workloads/bench.log"
+   echo "workloads rc=${PIPESTATUS[0]}"; grep -E " ok " "$R/workloads/bench.log" | grep "flashport " | cut -c1-150 ;;
+esac
+save; ls -la "$OUT"
