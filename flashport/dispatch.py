@@ -86,6 +86,11 @@ class Backend:
         """What the declaration cannot say (a probe, a tensor-size limit)."""
         return []
 
+    def brackets_backward(self, spec: AttnSpec) -> bool:
+        """An "own"-state backend whose run() gives the call's backward its profiler range and count itself (else
+        serve brackets it with two autograd Functions)."""
+        return False
+
     def supports(self, spec: AttnSpec, role: str | None = None) -> list[str]:
         """Reasons it cannot serve `spec` in `role` ("fwd", "bwd"; None: every role the call needs)."""
         roles = (role,) if role else (("fwd", "bwd") if spec.needs_grad else ("fwd",))

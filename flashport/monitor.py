@@ -271,6 +271,15 @@ def bracket_output(rng: _Range, out):
     return _Open.apply(rng, out)
 
 
+def bracket_node(spec, backend: str, node) -> None:
+    """For a backend whose own backward is one autograd node (an SDPA fused op's): its range opened and its count
+    taken by a hook the engine calls before the node, the range closed by one it calls after -- what
+    bracket_inputs / bracket_output do with two Python autograd Functions, which cost more host time per call."""
+    rng = _Range(range_name(spec, backend, backward=True), spec.device.type == "cuda", backend, flops(spec, "bwd"))
+    node.register_prehook(lambda grad_outputs: rng.open())
+    node.register_hook(lambda grad_inputs, grad_outputs: rng.close())
+
+
 # ----------------------------------------------------------------------------- caches
 def _own_objects():
     """(qualified name, object) of everything defined in a loaded flashport module (not what it imports)."""

@@ -32,7 +32,8 @@ class Launch:
     bytes_read: int
     peak_fwd: int
     peak_bwd: int
-    own: bool              # the backward runs in the backend's own autograd: bracketed for its range and count
+    own: bool              # the backward runs in the backend's own autograd: bracketed here for its range and count
+                           # (unless the backend brackets it itself: Backend.brackets_backward)
     range: object          # a _Ranged factory's arguments, or None with FLASHPORT_RANGES=0
     guard: tuple           # rollout's (rate, tolerance) from the switches; flashport.guard() overrides it per call
     slow: bool             # a backend at PyTorch-op speed on a GPU (selection warns and counts it at every call)
@@ -42,7 +43,8 @@ def launch(spec, inputs, plan, fallback) -> Launch:
     name = plan.fwd.name
     return Launch(spec, plan, fallback, monitor.flops(spec), monitor.bytes_read(inputs),
                   plan.fwd.extra_bytes(spec, "fwd"), plan.bwd.extra_bytes(spec, "bwd") if spec.needs_grad else 0,
-                  spec.needs_grad and plan.fwd.caps.saved_state == "own", monitor.range_args(spec, name),
+                  spec.needs_grad and plan.fwd.caps.saved_state == "own" and not plan.fwd.brackets_backward(spec),
+                  monitor.range_args(spec, name),
                   rollout.configured(), spec.device.type == "cuda" and (plan.fwd.slow_on_gpu or plan.bwd.slow_on_gpu))
 
 

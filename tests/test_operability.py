@@ -105,6 +105,32 @@ def test_profiler_trace_has_the_flashport_ranges(backend):
     assert f"flashport::attention_backward[{bwd}]" in names
 
 
+def test_hooks_on_a_fused_backward_node_bracket_it_and_count_it():
+    """monitor.bracket_node (the SDPA kernels' backward on CUDA): the backward range opens before the fused op's
+    backward and closes after it, and the backward is counted once per backward pass (twice with retain_graph)."""
+    import torch.nn.functional as F
+    from torch.profiler import profile
+
+    from flashport.spec import dense_spec
+    q, k, v = (t.transpose(1, 2) for t in _qkv(hkv=4))   # [B, H, S, D] for F.sdpa
+    spec, _ = dense_spec(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True, softmax_scale=None,
+                         window_size=(-1, -1), softcap=0.0, alibi_slopes=None, dropout_p=0.0, deterministic=False,
+                         return_lse=False)
+    before = flashport.stats().get("probe", {}).get("backward", 0)
+    out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert out.grad_fn is not None and "ScaledDotProduct" in type(out.grad_fn).__name__
+    monitor.bracket_node(spec, "probe", out.grad_fn)
+    with profile() as prof:
+        out.sum().backward(retain_graph=True)
+    events = {e.name: e for e in prof.events()}
+    rng = events["flashport::attention_backward[probe]"]
+    fused = next(e for name, e in events.items() if "scaled_dot_product" in name and "backward" in name)
+    assert rng.time_range.start <= fused.time_range.start and fused.time_range.end <= rng.time_range.end
+    assert flashport.stats()["probe"]["backward"] == before + 1
+    out.sum().backward()
+    assert flashport.stats()["probe"]["backward"] == before + 2
+
+
 def test_varlen_range_and_ranges_off(monkeypatch):
     q = torch.randn(10, 2, 16)
     cu = torch.tensor([0, 3, 10], dtype=torch.int32)

@@ -30,7 +30,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from .. import dispatch
+from .. import dispatch, monitor
 from ..capabilities import Capabilities
 from ..spec import AttnInputs, AttnSpec
 
@@ -124,6 +124,12 @@ def _probe_cuda(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: 
     return tuple(usable), tuple(reasons)
 
 
+@lru_cache(maxsize=16)
+def _nan_lse(device: torch.device) -> torch.Tensor:
+    """One NaN per device, expanded into run()'s lse placeholder (a fill per call would be a kernel launch)."""
+    return torch.full((1, 1, 1), float("nan"), dtype=torch.float32, device=device)
+
+
 class SdpaBackend(dispatch.Backend):
     """`sdpa`: whichever fused kernel PyTorch picks among cuDNN, FlashAttention-2 and memory-efficient (in that
     priority; never MATH on CUDA), and PyTorch's default on CPU.  Named only: auto-selection measures and picks
@@ -152,6 +158,11 @@ class SdpaBackend(dispatch.Backend):
                        "efficient": bool(c.mem_efficient_sdp_enabled())}
             caps["sdpa_kernels_enabled"] = {k: enabled[k] for k in self.kernels}
         return caps
+
+    def brackets_backward(self, spec: AttnSpec) -> bool:
+        # On CUDA the output comes from one fused op (never MATH), whose backward is one node: hooks on it
+        # (monitor.bracket_node) replace serve's two autograd Functions.  On a CPU, PyTorch may decompose the call.
+        return spec.device.type == "cuda"
 
     def availability(self) -> list[str]:
         if sdpa_kernel is None:
@@ -202,9 +213,10 @@ class SdpaBackend(dispatch.Backend):
             out = self._run_cuda(q, k, v, kw, self.kernels)
         else:
             out = F.scaled_dot_product_attention(q, k, v, **kw)
+        if out.grad_fn is not None and self.brackets_backward(spec):   # the fused op's backward node
+            monitor.bracket_node(spec, self.name, out.grad_fn)
         out = out.transpose(1, 2).contiguous()  # no-op when the kernel wrote [B, Sq, Hq, Dv] already
-        lse = torch.full((1, 1, 1), float("nan"), dtype=torch.float32, device=out.device)
-        return out, lse.expand(spec.batch, spec.heads_q, spec.seqlen_q)
+        return out, _nan_lse(out.device).expand(spec.batch, spec.heads_q, spec.seqlen_q)
 
     @staticmethod
     def _run_cuda(q, k, v, kw, kernels):
