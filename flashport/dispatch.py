@@ -106,6 +106,11 @@ class Backend:
         """Static priority: False where another backend is known to be faster (used where no table fits)."""
         return True
 
+    def leads(self, spec: AttnSpec, role: str) -> bool:
+        """Static priority: True where this backend is known to be faster than every other (ranked before those
+        that merely prefer the call; used where no table fits)."""
+        return False
+
     def input_reasons(self, spec: AttnSpec, inputs) -> list[str]:
         """What only the call's inputs can show (whether a programmable mod compiles here): asked by auto-selection
         for calls with mods, whose spec names the features but not the functions.  Empty: it can serve them."""
@@ -391,13 +396,16 @@ def options(spec: AttnSpec, tried: list | None = None, quarantine: bool = True, 
 
 
 def _ranked(bs: list, spec: AttnSpec, role: str) -> list:
-    """Static priority: those that prefer the call, then the others; a backend slow on a GPU (blockwise: PyTorch ops
-    tile by tile) after every other there, whatever it prefers.  Else it would pair as the backward of a forward
-    whose usual partner does not prefer the call (a Gluon forward at D=96, whose Triton backward defers to cuDNN's
-    own plan), or run whole calls that cuDNN cannot serve at such head dims (ALiBi, softcap)."""
+    """Static priority: those that lead the call, then those that prefer it, then the others, each in registration
+    order; a backend slow on a GPU (blockwise: PyTorch ops tile by tile) after every other there, whatever it
+    prefers.  Else it would pair as the backward of a forward whose usual partner does not prefer the call (a Gluon
+    forward at D=96, whose Triton backward defers to cuDNN's own plan), or run whole calls that cuDNN cannot serve at
+    such head dims (ALiBi, softcap)."""
     slow = [b for b in bs if spec.device.type == "cuda" and getattr(b, "slow_on_gpu", False)]
     rest = [b for b in bs if b not in slow]
-    return [b for b in rest if b.prefers(spec, role)] + [b for b in rest if not b.prefers(spec, role)] + slow
+    lead = [b for b in rest if b.leads(spec, role)]
+    rest = [b for b in rest if b not in lead]
+    return lead + [b for b in rest if b.prefers(spec, role)] + [b for b in rest if not b.prefers(spec, role)] + slow
 
 
 def _lse_plans(spec: AttnSpec, plans: list[Plan], state: str) -> list[Plan]:

@@ -64,8 +64,8 @@ SWITCHES = {s.name: s for s in (
                                                "rows 78, 95)"),
     Switch("FLASHPORT_CUDNN_FIRST", "0", "1: where no selection-table bucket fits, static priority on Hopper puts "
                                          "cuDNN's plan before flashport's kernels for dense 16-bit training calls "
-                                         "under 64k keys, short inference calls at D <= 128 and head dims the "
-                                         "Gluon kernels split (off until a GPU fuzz hits cuDNN hundreds of times: "
+                                         "under 64k keys, short inference calls at D <= 128 and padded head "
+                                         "dims but a split D=96 (off until a GPU fuzz hits cuDNN hundreds of times: "
                                          "PERFLOG row 97)"),
     Switch("FLASHPORT_TRITON_DIRECT", "0", "1: the portable Triton kernels (forward, dK/dV, dQ) are launched directly "
                                            "after their first call, without JITFunction.run's per-call work, as the "

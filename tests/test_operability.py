@@ -131,6 +131,24 @@ def test_hooks_on_a_fused_backward_node_bracket_it_and_count_it():
     assert flashport.stats()["probe"]["backward"] == before + 2
 
 
+def test_an_sdpa_backend_bracketing_its_own_backward_counts_it_once(monkeypatch):
+    """SdpaBackend.brackets_backward (true on CUDA) through serve: no autograd Functions around the call, the hooks
+    on the fused node give the backward its range, counted once per backward."""
+    from torch.profiler import profile
+
+    from flashport.backend.sdpa import SdpaBackend
+    monkeypatch.setattr(SdpaBackend, "brackets_backward", lambda self, spec: True)
+    q, k, v = _qkv(hkv=4)
+    before = flashport.stats().get("sdpa", {}).get("backward", 0)
+    out = flashport.attention(q, k, v, causal=True, backend="sdpa")
+    with profile() as prof:
+        out.sum().backward()
+    names = [e.name for e in prof.events()]
+    assert names.count("flashport::attention_backward[sdpa]") == 1
+    assert not any("_Open" in n or "_Close" in n for n in names)   # serve's Functions were not used
+    assert flashport.stats()["sdpa"]["backward"] == before + 1
+
+
 def test_varlen_range_and_ranges_off(monkeypatch):
     q = torch.randn(10, 2, 16)
     cu = torch.tensor([0, 3, 10], dtype=torch.int32)

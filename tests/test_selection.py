@@ -195,12 +195,15 @@ def test_a_backend_slow_on_a_gpu_ranks_last_there_whatever_it_prefers():
     dim to cuDNN and cuDNN could not serve the call (ALiBi at D=96), running the whole call on PyTorch ops."""
     import dataclasses
 
-    class Fake:
-        def __init__(self, name, prefers, slow=False):
-            self.name, self._prefers, self.slow_on_gpu = name, prefers, slow
+    class Fake(dispatch.Backend):
+        def __init__(self, name, prefers, slow=False, leads=False):
+            self.name, self._prefers, self.slow_on_gpu, self._leads = name, prefers, slow, leads
 
         def prefers(self, spec, role):
             return self._prefers
+
+        def leads(self, spec, role):
+            return self._leads
 
     q = torch.empty(1, 256, 4, 96, dtype=torch.bfloat16, device="meta")
     spec, _ = dense_spec(q, q, q, causal=True, softmax_scale=None, window_size=(-1, -1), softcap=0.0,
@@ -209,6 +212,9 @@ def test_a_backend_slow_on_a_gpu_ranks_last_there_whatever_it_prefers():
     on_gpu = dataclasses.replace(spec, device=torch.device("cuda", 0))
     assert [b.name for b in dispatch._ranked([blockwise, triton, gluon], on_gpu, "bwd")] == ["gluon", "triton",
                                                                                              "blockwise"]
+    cudnn = Fake("cudnn", False, leads=True)   # a leader comes before those that prefer; a slow one stays last
+    assert [b.name for b in dispatch._ranked([blockwise, triton, gluon, cudnn], on_gpu, "bwd")] == [
+        "cudnn", "gluon", "triton", "blockwise"]
     on_cpu = dataclasses.replace(spec, device=torch.device("cpu"))   # there it is the fast path
     assert [b.name for b in dispatch._ranked([blockwise, triton, gluon], on_cpu, "bwd")] == ["blockwise", "gluon",
                                                                                              "triton"]
@@ -216,15 +222,16 @@ def test_a_backend_slow_on_a_gpu_ranks_last_there_whatever_it_prefers():
 
 
 def test_static_priority_puts_cudnn_first_on_hopper_where_the_table_measured_it_faster(monkeypatch):
-    """Where no table bucket fits, static priority on Hopper ranks cuDNN's plan before ours (backend/triton.py:
-    cudnn_first) for D=256 training calls, and with FLASHPORT_CUDNN_FIRST=1 for the other dense calls where the H200
-    table measured it faster: training calls over fewer than 64k keys, short inference calls at D <= 128, head dims
+    """Where no table bucket fits, cuDNN's plan leads static priority on Hopper (backend/triton.py: cudnn_first) for
+    D=256 training calls, and with FLASHPORT_CUDNN_FIRST=1 for the other dense calls where the H200 table measured it
+    faster: training calls over fewer than 64k keys, short inference calls at D <= 128, padded head dims but the D=96
     the Gluon kernels split.  Long training calls, long inference calls, D=256 inference, float32 and other cards
-    keep ours first; the Triton kernels defer at padded head dims whatever the switch says.  FA2 and the
-    memory-efficient kernel never rank before ours."""
+    keep ours first.  Whatever leads, the order among flashport's own kernels is theirs (the Gluon forward's length
+    floor), and FA2 and the memory-efficient kernel never rank before them."""
     import dataclasses
 
     from flashport.backend import triton as triton_backend
+    from flashport.backend.gluon import FWD_HEAD_DIMS
 
     def spec(d, grad, causal=False, s=1024, b=2, h=4, dv=None, dtype=torch.bfloat16):
         q = torch.empty(b, s, h, d, dtype=dtype, device="meta", requires_grad=grad)
@@ -233,27 +240,43 @@ def test_static_priority_puts_cudnn_first_on_hopper_where_the_table_measured_it_
                             alibi_slopes=None, dropout_p=0.0, deterministic=False, return_lse=False)
         return dataclasses.replace(out, device=torch.device("cuda", 0))
 
-    triton, gluon = dispatch.get("triton"), dispatch.get("gluon")
+    gluon, triton, cudnn, fa2, eff = (dispatch.get(n) for n in ("gluon", "triton", "sdpa-cudnn", "sdpa-flash",
+                                                                   "sdpa-efficient"))
     monkeypatch.setattr(triton_backend, "_capability", lambda index: (9, 0))
     monkeypatch.setattr(triton_backend, "_interpreting", lambda: False)   # the interpreter tier sets it process-wide
     assert spec(256, True).needs_grad and not spec(256, False).needs_grad
     always = [spec(256, True), spec(256, True, causal=True)]
     switched = [spec(128, True), spec(64, True, causal=True), spec(128, True, s=32768, h=32), spec(64, False),
-                spec(128, False, causal=True, s=4096, h=8), spec(96, False, s=16384, h=32), spec(192, True, dv=128),
-                spec(80, True), spec(128, False, dtype=torch.float16)]
+                spec(128, False, causal=True, s=4096, h=8), spec(80, False, s=16384, h=32), spec(192, True, dv=128),
+                spec(80, True), spec(72, True), spec(128, False, dtype=torch.float16), spec(64, True, s=1024)]
     never = [spec(128, True, s=1 << 16, b=1, h=1), spec(256, False), spec(128, False, s=16384, h=32),
-             spec(64, False, s=8192, h=32), spec(128, True, dtype=torch.float32)]
+             spec(64, False, s=8192, h=32), spec(128, True, dtype=torch.float32), spec(96, True), spec(96, False)]
+    ours_order = {}
     for on in ("0", "1"):
         monkeypatch.setenv("FLASHPORT_CUDNN_FIRST", on)
         for s in always + switched + never:
             first = s in always or (on == "1" and s in switched)
             assert triton_backend.cudnn_first(s) == first, (on, s)
-            if first:
-                assert not gluon.prefers(s, "fwd"), (on, s)
-            assert triton.prefers(s, "fwd") == (not (first or triton_backend.padded_dims(s))), (on, s)
-            assert dispatch.get("sdpa-cudnn").prefers(s, "fwd")
-            assert not dispatch.get("sdpa-flash").prefers(s, "fwd")
-            assert not dispatch.get("sdpa-efficient").prefers(s, "fwd")
+            assert cudnn.leads(s, "fwd") == first and not fa2.leads(s, "fwd") and not eff.leads(s, "fwd"), (on, s)
+            assert not gluon.leads(s, "fwd") and not triton.leads(s, "fwd")
+            served = s.head_dim == s.head_dim_v and s.head_dim in FWD_HEAD_DIMS   # what auto would rank gluon for
+            ranked = dispatch._ranked([gluon, triton, cudnn, fa2, eff] if served else [triton, cudnn, fa2, eff],
+                                      s, "fwd")
+            ours = [b for b in ranked if b in (gluon, triton)]
+            # cuDNN first where it leads; else only where none of ours prefers the call (the padded head dims)
+            assert (ranked[0] is cudnn) == (first or not any(b.prefers(s, "fwd") for b in ours)), (on, s)
+            assert ours_order.setdefault(s, ours) == ours, (on, s)   # the switch never reorders ours
+            assert max(ranked.index(b) for b in ours) < min(ranked.index(fa2), ranked.index(eff))
+    monkeypatch.setenv("FLASHPORT_CUDNN_FIRST", "1")
+    assert _cudnn_first_at_96_with_a_split_off(monkeypatch, triton_backend, spec(96, True))
     monkeypatch.setattr(triton_backend, "_capability", lambda index: (8, 0))   # an A100: no such measurement
     for s in always + switched:
+        assert not cudnn.leads(s, "fwd"), s
         assert triton.prefers(s, "fwd"), s
+
+
+def _cudnn_first_at_96_with_a_split_off(monkeypatch, triton_backend, s) -> bool:
+    """D=96 keeps the Gluon kernels only while both split switches are on."""
+    assert not triton_backend.cudnn_first(s)
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_SPLIT", "0")
+    return triton_backend.cudnn_first(s)

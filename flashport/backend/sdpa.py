@@ -124,12 +124,6 @@ def _probe_cuda(device: torch.device, dtype: torch.dtype, hq: int, hkv: int, d: 
     return tuple(usable), tuple(reasons)
 
 
-@lru_cache(maxsize=16)
-def _nan_lse(device: torch.device) -> torch.Tensor:
-    """One NaN per device, expanded into run()'s lse placeholder (a fill per call would be a kernel launch)."""
-    return torch.full((1, 1, 1), float("nan"), dtype=torch.float32, device=device)
-
-
 class SdpaBackend(dispatch.Backend):
     """`sdpa`: whichever fused kernel PyTorch picks among cuDNN, FlashAttention-2 and memory-efficient (in that
     priority; never MATH on CUDA), and PyTorch's default on CPU.  Named only: auto-selection measures and picks
@@ -161,8 +155,12 @@ class SdpaBackend(dispatch.Backend):
 
     def brackets_backward(self, spec: AttnSpec) -> bool:
         # On CUDA the output comes from one fused op (never MATH), whose backward is one node: hooks on it
-        # (monitor.bracket_node) replace serve's two autograd Functions.  On a CPU, PyTorch may decompose the call.
-        return spec.device.type == "cuda"
+        # (monitor.bracket_node) replace serve's two autograd Functions.  Not where PyTorch wraps the op in other
+        # ones (a range on those would miss the kernel): the bottom-right causal bias (a transpose after the op),
+        # head dims off a multiple of 8 (padded, then sliced), GQA (K / V repeated for FA2 and memory-efficient);
+        # nor on a CPU, where PyTorch may decompose the call.
+        return (spec.device.type == "cuda" and _causal_kind(spec) != "lower_right" and spec.head_dim % 8 == 0
+                and spec.head_dim_v % 8 == 0 and spec.heads_q == spec.heads_kv)
 
     def availability(self) -> list[str]:
         if sdpa_kernel is None:
@@ -216,7 +214,8 @@ class SdpaBackend(dispatch.Backend):
         if out.grad_fn is not None and self.brackets_backward(spec):   # the fused op's backward node
             monitor.bracket_node(spec, self.name, out.grad_fn)
         out = out.transpose(1, 2).contiguous()  # no-op when the kernel wrote [B, Sq, Hq, Dv] already
-        return out, _nan_lse(out.device).expand(spec.batch, spec.heads_q, spec.seqlen_q)
+        lse = torch.full((1, 1, 1), float("nan"), dtype=torch.float32, device=out.device)
+        return out, lse.expand(spec.batch, spec.heads_q, spec.seqlen_q)
 
     @staticmethod
     def _run_cuda(q, k, v, kw, kernels):
@@ -249,10 +248,16 @@ class SdpaKernelBackend(SdpaBackend):
         self.__doc__ = f"`{self.name}`: PyTorch SDPA's {what} kernel alone, on CUDA. " + SdpaKernelBackend.__doc__
 
     def prefers(self, spec: AttnSpec, role: str) -> bool:
-        # Static priority (no table bucket fits): cuDNN where flashport's kernels defer to it; FA2 and the
-        # memory-efficient kernel come after flashport's kernels, which beat them in every bucket of the shipped
-        # tables but D=256 training (FA2 within 4% there in 5 of 14 buckets; cuDNN, 1.3-1.7x faster, takes those).
+        # Static priority (no table bucket fits): FA2 and the memory-efficient kernel come after flashport's kernels,
+        # which beat them in every bucket of the shipped tables but 6, by 1-4% (5 D=256 training buckets, one D=96
+        # inference one), where cuDNN is faster still (1.3-1.7x at D=256, 1.4x at D=96).
         return self.kernels[0] == "cudnn"
+
+    def leads(self, spec: AttnSpec, role: str) -> bool:
+        if self.kernels[0] != "cudnn":
+            return False
+        from .triton import cudnn_leads
+        return cudnn_leads(spec)
 
     def availability(self) -> list[str]:
         if not torch.cuda.is_available():

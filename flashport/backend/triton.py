@@ -64,12 +64,14 @@ def _on_hopper(spec: AttnSpec) -> bool:
     return _capability(index)[0] == 9
 
 
-# Where no table bucket fits, the dense calls whose static priority puts cuDNN's own plan first on Hopper.  From the
-# H200 table (flashport/configs/selection-nvidia-h200.json, the 48 dense bf16 buckets that time both): cuDNN's forward
-# + backward beats the best pair of these kernels in 47 of 48 training buckets -- 1.02-1.15x at D=64 / 128 (S 512-16k,
-# causal or not, GQA 32/8), 1.34-1.67x at D=256, 1.5-2.2x at D=72 / 80 / 96 / 192-128 -- and trails only at S=128k
-# causal (0.97x); its inference forward wins every bucket at D <= 128 up to 137 GFLOP (0.83-0.93x ours, one tie, one
-# 1.04x the other way), where the call is short enough that host time counts.
+# Where no table bucket fits, the dense calls that cuDNN's own plan leads in static priority on Hopper (sdpa-cudnn's
+# `leads`).  From the H200 table (flashport/configs/selection-nvidia-h200.json, the 48 dense bf16 buckets that time
+# both): cuDNN's forward + backward beats the best pair of these kernels in 47 of 48 training buckets -- 1.02-1.15x
+# at D=64 / 128 (S 512-16k, causal or not, GQA 32/8), 1.34-1.67x at D=256, 1.5-2.2x at D=72 / 80 / 96 / 192-128 --
+# and trails only at S=128k causal (0.97x); its inference forward wins every bucket at D <= 128 up to 137 GFLOP
+# (0.83-0.93x ours, one tie, one 1.04x the other way), where the call is short enough that host time counts.  The
+# padded dims were measured with the Gluon kernels' two-part 80 / 96 off; with it on, the H100 ran D=96 at 1.06-1.07x
+# cuDNN's backward and 0.92-1.06x its forward, D=80 at 0.55-0.93x (PERFLOG rows 81, 86), so D=96 stays with them.
 LONG_KEYS = 1 << 16                 # training calls from here on keep these kernels (the one bucket they win)
 SMALL_FORWARD_FLOPS = 3 << 36       # ~206 GFLOP (monitor.flops): inference calls below it go to cuDNN first
 
@@ -79,12 +81,17 @@ def padded_dims(spec: AttnSpec) -> bool:
     return spec.head_dim not in (64, 128, 256) or spec.head_dim_v != spec.head_dim
 
 
+def _gluon_splits_96(spec: AttnSpec) -> bool:
+    return (spec.head_dim == spec.head_dim_v == 96 and env.flag("FLASHPORT_HOPPER_FWD_SPLIT")
+            and env.flag("FLASHPORT_HOPPER_BWD_SPLIT"))
+
+
 def cudnn_first(spec: AttnSpec) -> bool:
-    """Whether static priority ranks cuDNN's plan ahead of these kernels and the Gluon ones for a dense fp16 / bf16
-    call on Hopper (the caller checks the card): training calls at D=256 (row 94); with FLASHPORT_CUDNN_FIRST=1
-    also training calls over fewer than LONG_KEYS keys, inference calls at D <= 128 under SMALL_FORWARD_FLOPS and
-    the head dims the Gluon kernels split.  cuDNN refuses windows, softcap, ALiBi and deterministic backwards, which
-    auto then gives to the next plan: these kernels (the SDPA kernels after cuDNN prefer nothing)."""
+    """Whether cuDNN's plan leads static priority for a dense fp16 / bf16 call on Hopper (the caller checks the card):
+    training calls at D=256 (row 94); with FLASHPORT_CUDNN_FIRST=1 also training calls over fewer than LONG_KEYS
+    keys, inference calls at D <= 128 under SMALL_FORWARD_FLOPS, and the head dims these kernels pad but D=96 where
+    the Gluon kernels split it.  cuDNN refuses windows, softcap, ALiBi and deterministic backwards, which auto then
+    gives to the next plan in static priority."""
     if spec.kind != "dense" or spec.dtype not in (torch.float16, torch.bfloat16):
         return False
     if spec.needs_grad and spec.head_dim == 256 and spec.head_dim_v == 256:
@@ -92,11 +99,16 @@ def cudnn_first(spec: AttnSpec) -> bool:
     if not env.flag("FLASHPORT_CUDNN_FIRST"):
         return False
     if padded_dims(spec):
-        return True
+        return not _gluon_splits_96(spec)
     if spec.needs_grad:
         return spec.seqlen_k < LONG_KEYS
     from ..monitor import flops
     return spec.head_dim <= 128 and flops(spec) < SMALL_FORWARD_FLOPS
+
+
+def cudnn_leads(spec: AttnSpec) -> bool:
+    """cudnn_first on a Hopper card (a CUDA call, outside the interpreter)."""
+    return spec.device.type == "cuda" and not _interpreting() and cudnn_first(spec) and _on_hopper(spec)
 
 
 def _capability(index: int) -> tuple[int, int]:
@@ -182,8 +194,8 @@ class TritonBackend(dispatch.Backend):
         if spec.kind != "dense" or spec.device.type != "cuda" or _interpreting():
             return True
         # on Hopper, cuDNN runs the head dims these kernels pad 1.3-2x faster (results/issue8_h200_s12/, D = 72, 80,
-        # 96, 192/128)
-        return not ((padded_dims(spec) or cudnn_first(spec)) and _on_hopper(spec))
+        # 96, 192/128); at D=256 their training forward would pair with their backward, which cuDNN's outruns
+        return not ((padded_dims(spec) or (spec.needs_grad and spec.head_dim == 256)) and _on_hopper(spec))
 
     def input_reasons(self, spec: AttnSpec, inputs: AttnInputs) -> list[str]:
         return mods_reasons(spec, inputs)

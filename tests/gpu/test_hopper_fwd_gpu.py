@@ -52,7 +52,7 @@ SERVED = [
 
 def plan(case):
     """The Gluon forward's plan for a training call: backend=None, except at D=256 without a window, where static
-    priority gives training calls to cuDNN on Hopper (backend/triton.py: cudnn_trains_faster), so the pair is named."""
+    priority gives training calls to cuDNN on Hopper (backend/triton.py: cudnn_first), so the pair is named."""
     return "gluon/triton" if case.d == 256 and case.window == (-1, -1) else None
 
 

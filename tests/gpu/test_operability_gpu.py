@@ -38,6 +38,7 @@ def _call(c, grad: bool):
 
 def test_leak_10000_calls_on_the_gpu(monkeypatch):
     monkeypatch.delenv("FLASHPORT_TABLE", raising=False)   # as a user runs it: the shipped table
+    monkeypatch.delenv("FLASHPORT_CUDNN_FIRST", raising=False)   # and static priority as shipped
     rng = random.Random(11)
     cases = [(c, grad) for c in POOL for grad in (False, True)]
     with flashport.guard(sample_rate=1.0):  # warm: every case compiled and checked once (the side stream's
