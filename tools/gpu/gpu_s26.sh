@@ -6,6 +6,9 @@
 #          reversed per round (row 92: a first-measured penalty?); an auto fuzz with FLASHPORT_CUDNN_FIRST=1 (row 97:
 #          cuDNN first where no table bucket fits, counted by its backend:sdpa-cudnn line); ragged paged decode with
 #          FLASHPORT_DECODE_FIXED_CHUNKS 1 / 0 (row 93)
+#   PART=i (the same warm card after g, ~150 s, any sm_90): row 97's rule measured where it acts -- backend=None with
+#          the table off, FLASHPORT_CUDNN_FIRST 0 / 1 alternating, beside cuDNN, on shapes no table bucket holds
+#          (tools/gpu/static_ab.py)
 #   PART=h (the same warm card if an H200, ~580 s): the table's buckets the Gluon variants changed re-tuned, with the
 #          SDXL cell's, then the workloads suite with every peer but FA4 (FLASHPORT_CUDNN_FIRST as the caller sets)
 SESSION=s26; . "$(dirname "$0")/session.sh"
@@ -29,6 +32,7 @@ g) export FLASHPORT_TRITON_DIRECT=1
      FLASHPORT_DECODE_FIXED_CHUNKS=$fixed timeout 40 python -m flashport bench --suite workloads --match "ragged" \
          --peers flashport-triton --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged" | tail -1 | cut -c1-200
    done ;;
+i) timeout ${AB_SECONDS:-170} python tools/gpu/static_ab.py --out "$R/static_ab.json" 2>&1 | grep -v Warning | cut -c1-220 ;;
 h) mkdir -p "$R/workloads"; export FLASHPORT_TRITON_DIRECT=${FLASHPORT_TRITON_DIRECT:-0}
    echo "FLASHPORT_CUDNN_FIRST=${FLASHPORT_CUDNN_FIRST:-0} FLASHPORT_TRITON_DIRECT=$FLASHPORT_TRITON_DIRECT" | tee "$R/switches.txt"
    cp flashport/configs/selection-nvidia-h200.json "$R/selection-before.json"
