@@ -143,3 +143,37 @@ def test_flash_kernel_refuses_a_zero_scale_on_cuda():
     finally:
         sdpa._probe_cuda = original
     assert probed
+
+
+def _sdpa_state():
+    return tuple(getattr(torch._C, f"_get_{n}_sdp_enabled")() for n in ("cudnn", "flash", "mem_efficient", "math")), \
+        torch._C._get_sdp_priority_order()
+
+
+@pytest.mark.parametrize("kernels", [("cudnn",), ("flash",), ("efficient",), ("cudnn", "flash", "efficient")])
+def test_allowing_sets_what_sdpa_kernel_sets_and_restores_it(kernels):
+    """sdpa.allowing (what the SDPA backends run each CUDA call under) leaves SDPA in the state
+    torch.nn.attention.sdpa_kernel(..., set_priority=True) would (the enable flags; the priority order where more than
+    one kernel is allowed), and restores the state it found exactly, also when the call raises."""
+    from torch.nn.attention import sdpa_kernel
+
+    from flashport.backend import sdpa as sdpa_backend
+    torch.backends.cuda.enable_math_sdp(False)   # a user's own setting, to be found again afterwards
+    try:
+        before = _sdpa_state()
+        with sdpa_kernel([sdpa_backend._SDP[k]() for k in kernels], set_priority=True):
+            theirs = _sdpa_state()
+        # (sdpa_kernel itself does not give the priority order back exactly where a kernel was disabled: it
+        # restores the enabled ones' order first)
+        torch._C._set_sdp_priority_order(before[1])
+        with sdpa_backend.allowing(kernels):
+            ours = _sdpa_state()
+        assert ours[0] == theirs[0]
+        if len(kernels) > 1:
+            assert ours[1] == theirs[1]
+        assert _sdpa_state() == before
+        with pytest.raises(RuntimeError), sdpa_backend.allowing(kernels):
+            raise RuntimeError("a failing call")
+        assert _sdpa_state() == before
+    finally:
+        torch.backends.cuda.enable_math_sdp(True)

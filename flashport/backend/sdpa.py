@@ -69,6 +69,61 @@ def _fused_backends():
     return [_SDP[k]() for k in _FUSED]
 
 
+# The flags sdpa_kernel() sets, by the names of torch._C's getters and setters (torch.nn.attention._backend_names).
+_FLAG_OF = {"cudnn": "cudnn", "flash": "flash", "efficient": "mem_efficient"}
+_FLAGS = ("cudnn", "flash", "mem_efficient", "math", "overrideable")
+
+
+def _flag_functions():
+    """[(name, getter, setter)] of every SDPA enable flag, or None where this torch lacks one sdpa_kernel() uses."""
+    funcs = [(n, getattr(torch._C, f"_get_{n}_sdp_enabled", None), getattr(torch._C, f"_set_sdp_use_{n}", None))
+             for n in _FLAGS]
+    present = [f for f in funcs if f[1] is not None and f[2] is not None]
+    if len(present) < 4 or not hasattr(torch._C, "_set_sdp_priority_order"):
+        return None
+    return present
+
+
+_FLAG_FUNCTIONS = _flag_functions()
+
+
+class _Allowing:
+    """sdpa_kernel(kernels, set_priority=True) without its Python per call (~20-30 µs on a CPU host, a cost every
+    call of an SDPA backend paid): the same enable flags set through the same torch._C setters, restored on exit;
+    the priority order set only for more than one kernel (alone, one has no order to keep)."""
+
+    __slots__ = ("want", "prio", "saved", "saved_prio")
+
+    def __init__(self, kernels):
+        on = {_FLAG_OF[k] for k in kernels}
+        self.want = [(setter, name in on) for name, _, setter in _FLAG_FUNCTIONS]
+        self.prio = [int(_SDP[k]()) for k in kernels] if len(kernels) > 1 and _SET_PRIORITY else None
+
+    def __enter__(self):
+        self.saved = [(setter, getter()) for _, getter, setter in _FLAG_FUNCTIONS]
+        for setter, value in self.want:
+            setter(value)
+        if self.prio is not None:
+            self.saved_prio = torch._C._get_sdp_priority_order()
+            torch._C._set_sdp_priority_order(self.prio + [p for p in self.saved_prio if p not in self.prio])
+        return self
+
+    def __exit__(self, *exc):
+        for setter, value in self.saved:
+            setter(value)
+        if self.prio is not None:
+            torch._C._set_sdp_priority_order(self.saved_prio)
+        return False
+
+
+def allowing(kernels):
+    """A context in which SDPA may use only `kernels` (names of _FUSED), tried in that order."""
+    if _FLAG_FUNCTIONS is None:
+        prio = {"set_priority": True} if _SET_PRIORITY else {}
+        return sdpa_kernel([_SDP[k]() for k in kernels], **prio)
+    return _Allowing(kernels)
+
+
 def _can_use():
     c = torch.backends.cuda
     return {"cudnn": getattr(c, "can_use_cudnn_attention", None), "flash": c.can_use_flash_attention,
@@ -219,8 +274,7 @@ class SdpaBackend(dispatch.Backend):
 
     @staticmethod
     def _run_cuda(q, k, v, kw, kernels):
-        prio = {"set_priority": True} if _SET_PRIORITY else {}
-        with sdpa_kernel([_SDP[k]() for k in kernels], **prio):
+        with allowing(kernels):
             try:
                 return F.scaled_dot_product_attention(q, k, v, **kw)
             except RuntimeError as e:
