@@ -1,7 +1,8 @@
 """Host time of flashport's own layers around a kernel, on a CPU: a null backend (its forward and backward return
 tensors made once, so no kernel runs) served through flashport.attention, against F.scaled_dot_product_attention at
 a tiny shape.  What a GPU call pays in Python on top of its kernels' launches (spec, plan cache, serve, monitor, the
-autograd Function and the engine), measured where no device is needed.  PERFLOG row 98.
+autograd Function and the engine), measured where no device is needed; and the two ways an SDPA backend's backward
+is bracketed (Functions, node hooks) and its kernel chosen (sdpa_kernel, sdpa.allowing).  PERFLOG row 98.
 
     PYTHONPATH=. python tools/host_layers.py             # µs per call, best of 5 loops
     PYTHONPATH=. python tools/host_layers.py --profile   # and a cProfile of each path, top 25 by own time
@@ -107,11 +108,25 @@ def main() -> int:
         monitor.bracket_node(spec, "x", out.grad_fn)
         return torch.autograd.grad(out, tg, do_t)
 
+    from torch.nn.attention import SDPBackend, sdpa_kernel
+
+    from flashport.backend.sdpa import allowing
+
+    def context_sdpa_kernel():   # what an SDPA backend's CUDA call entered before row 98
+        with sdpa_kernel([SDPBackend.CUDNN_ATTENTION], set_priority=True):
+            pass
+
+    def context_allowing():      # ... and since
+        with allowing(("cudnn",)):
+            pass
+
     paths = {"flashport (null kernel) forward": fwd, "flashport (null kernel) forward + backward": train,
              "F.sdpa forward (its kernel included)": sdpa_fwd, "F.sdpa forward + backward": sdpa_train,
              "F.sdpa fwd + bwd, bracketed by Functions": sdpa_train_functions,
              "F.sdpa fwd + bwd, bracketed by node hooks": sdpa_train_hooks,
-             "flashport backend='sdpa' forward + backward": sdpa_train_through_flashport}
+             "flashport backend='sdpa' forward + backward": sdpa_train_through_flashport,
+             "context: sdpa_kernel([cuDNN], set_priority=True)": context_sdpa_kernel,
+             "context: sdpa.allowing(('cudnn',))": context_allowing}
     for name, fn in paths.items():
         print(f"{name:48} {per_call_us(fn, 1000):8.1f} µs", flush=True)
         if a.profile and name.startswith("flashport"):
