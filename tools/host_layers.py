@@ -13,17 +13,18 @@ import argparse
 import cProfile
 import pstats
 import sys
-import time
 from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import flashport  # noqa: E402
 from flashport import dispatch  # noqa: E402
 from flashport.capabilities import Capabilities  # noqa: E402
+from host_cpu import per_call_us  # noqa: E402  (tools/host_cpu.py: best of 5 loops of n calls, after 200 warm)
 
 
 class NullBackend(dispatch.Backend):
@@ -48,18 +49,6 @@ class NullBackend(dispatch.Backend):
         if key not in self.made:
             self.made[key] = tuple(torch.zeros_like(t) for t in (saved.q, saved.k, saved.v))
         return self.made[key]
-
-
-def per_call_us(fn, n: int = 2000) -> float:
-    for _ in range(200):
-        fn()
-    best = float("inf")
-    for _ in range(5):
-        t0 = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t0) / n * 1e6)
-    return best
 
 
 def main() -> int:
