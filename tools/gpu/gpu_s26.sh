@@ -6,6 +6,8 @@
 #          reversed per round (row 92: a first-measured penalty?); an auto fuzz with FLASHPORT_CUDNN_FIRST=1 (row 97:
 #          cuDNN first where no table bucket fits, counted by its backend:sdpa-cudnn line); ragged paged decode with
 #          FLASHPORT_DECODE_FIXED_CHUNKS 1 / 0 (row 93)
+#   PART=j (~270 s, any sm_90): g's decisive steps alone (triton tier and fuzz with direct launches, the cuDNN-first
+#          fuzz, the host A/B), for a call with little device budget left
 #   PART=i (the same warm card after g, ~150 s, any sm_90): row 97's rule measured where it acts -- backend=None with
 #          the table off, FLASHPORT_CUDNN_FIRST 0 / 1 alternating, beside cuDNN, on shapes no table bucket holds
 #          (tools/gpu/static_ab.py)
@@ -35,6 +37,19 @@ g) export FLASHPORT_TRITON_DIRECT=1
      FLASHPORT_DECODE_FIXED_CHUNKS=$fixed timeout 40 python -m flashport bench --suite workloads --match "ragged" \
          --peers flashport-triton --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged" | tail -1 | cut -c1-200
    done ;;
+j) export FLASHPORT_TRITON_DIRECT=1   # part g's decisive steps alone (~270 s), for a call with little budget left
+   tier triton:${TRITON_SECONDS:-70}
+   grep -E "^FAILED|Error" "$R/tier/triton.log" | cut -c1-240 | head -8
+   FLASHPORT_CUDNN_FIRST=1 FLASHPORT_TABLE=off timeout ${FUZZ_SECONDS:-65} python -m flashport.fuzz --n 1500 --seed 2604 \
+       --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-65} - 25 )) \
+       --log "$R/fuzz_cudnn_first.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_cudnn_first.log"
+   echo "fuzz cudnn-first rc=${PIPESTATUS[0]}"; grep -E "status:|backend:" "$R/fuzz_cudnn_first.log" | head -12; save
+   timeout ${FUZZ_TRITON_SECONDS:-55} python -m flashport.fuzz --backend triton --n 1000 --seed 2603 \
+       --dtype bfloat16,float16,float32 --device cuda --max-seconds $(( ${FUZZ_TRITON_SECONDS:-55} - 20 )) \
+       --log "$R/fuzz_triton.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_triton.log"
+   echo "fuzz triton rc=${PIPESTATUS[0]}"; grep -E "status:|cases in" "$R/fuzz_triton.log" | head -4; save
+   timeout ${AB_SECONDS:-60} python tools/gpu/host_ab_direct.py --rounds 2 --out "$R/host_ab_direct.json" 2>&1 \
+       | grep -v Warning ;;
 i) timeout ${AB_SECONDS:-170} python tools/gpu/static_ab.py --out "$R/static_ab.json" 2>&1 | grep -v Warning | cut -c1-220 ;;
 h) mkdir -p "$R/workloads"; export FLASHPORT_TRITON_DIRECT=${FLASHPORT_TRITON_DIRECT:-0}
    echo "FLASHPORT_CUDNN_FIRST=${FLASHPORT_CUDNN_FIRST:-0} FLASHPORT_TRITON_DIRECT=$FLASHPORT_TRITON_DIRECT" | tee "$R/switches.txt"
