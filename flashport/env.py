@@ -67,10 +67,9 @@ SWITCHES = {s.name: s for s in (
                                          "under 64k keys, short inference calls at D <= 128 and padded head "
                                          "dims but a split D=96 (off until a GPU fuzz hits cuDNN hundreds of times: "
                                          "PERFLOG row 97)"),
-    Switch("FLASHPORT_TRITON_DIRECT", "0", "1: the portable Triton kernels (forward, dK/dV, dQ) are launched directly "
-                                           "after their first call, without JITFunction.run's per-call work, as the "
-                                           "Gluon kernels are (off until a GPU run checks and times it: PERFLOG row "
-                                           "96)"),
+    Switch("FLASHPORT_TRITON_DIRECT", "1", "0: the portable Triton kernels (forward, dK/dV, dQ) go through "
+                                           "JITFunction.run at every call instead of direct launches after their "
+                                           "first (rollback switch; PERFLOG row 96)"),
     Switch("FLASHPORT_DECODE_FIXED_CHUNKS", "0", "1: the KV-cache kernel cuts every sequence into key chunks of one size "
                                                  "(the capacity's share per split), not each sequence's own keys "
                                                  "into num_splits shares: ragged batches run fewer, fuller programs "

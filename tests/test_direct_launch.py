@@ -127,3 +127,17 @@ def test_tuple_arguments_are_specialised_per_element(launcher):
     direct((1,), ((t, t.half()), 48), dict(STAGES=2))      # a new dtype inside the tuple
     direct((1,), ((t, t[1:]), 48), dict(STAGES=2))         # misaligned inside the tuple
     assert [e[0] for e in direct.jit_fn.log] == ["jit", "direct", "jit", "jit"]
+
+
+def test_the_triton_kernels_launch_directly_by_default_and_roll_back(monkeypatch):
+    """launch.triton_direct: on by default for CUDA tensors (PERFLOG row 96: bitwise the same results, less host
+    time), FLASHPORT_TRITON_DIRECT=0 rolls back to JITFunction.run; CPU tensors (the interpreter) always take the JIT."""
+    from types import SimpleNamespace
+
+    from flashport.kernels import launch
+    monkeypatch.delenv("FLASHPORT_TRITON_DIRECT", raising=False)
+    cuda = SimpleNamespace(is_cuda=True)   # a stand-in: no GPU here
+    assert launch.triton_direct(cuda)
+    assert not launch.triton_direct(torch.empty(1))
+    monkeypatch.setenv("FLASHPORT_TRITON_DIRECT", "0")
+    assert not launch.triton_direct(cuda)

@@ -45,7 +45,7 @@ DIRECT = _has_private_api()   # False: DirectLauncher is kernel[grid](...) and n
 
 def triton_direct(t: torch.Tensor) -> bool:
     """The `direct` of the portable Triton kernels' launches: CUDA tensors (the interpreter takes the JIT) and
-    FLASHPORT_TRITON_DIRECT=1 (off until a GPU run checks and times it).  env is imported here: the launch tests load
+    FLASHPORT_TRITON_DIRECT (default on; 0 rolls back to the JIT).  env is imported here: the launch tests load
     this module on its own, outside the package."""
     from .. import env
     return t.is_cuda and env.flag("FLASHPORT_TRITON_DIRECT")

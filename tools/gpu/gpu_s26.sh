@@ -51,8 +51,9 @@ j) export FLASHPORT_TRITON_DIRECT=1   # part g's decisive steps alone (~270 s), 
    timeout ${AB_SECONDS:-60} python tools/gpu/host_ab_direct.py --rounds 2 --out "$R/host_ab_direct.json" 2>&1 \
        | grep -v Warning ;;
 i) timeout ${AB_SECONDS:-170} python tools/gpu/static_ab.py --out "$R/static_ab.json" 2>&1 | grep -v Warning | cut -c1-220 ;;
-h) mkdir -p "$R/workloads"; export FLASHPORT_TRITON_DIRECT=${FLASHPORT_TRITON_DIRECT:-0}
-   echo "FLASHPORT_CUDNN_FIRST=${FLASHPORT_CUDNN_FIRST:-0} FLASHPORT_TRITON_DIRECT=$FLASHPORT_TRITON_DIRECT" | tee "$R/switches.txt"
+h) mkdir -p "$R/workloads"
+   echo "FLASHPORT_CUDNN_FIRST=${FLASHPORT_CUDNN_FIRST:-default} FLASHPORT_TRITON_DIRECT=${FLASHPORT_TRITON_DIRECT:-default}" \
+       | tee "$R/switches.txt"
    cp flashport/configs/selection-nvidia-h200.json "$R/selection-before.json"
    [[ "$(cat "$R/card.txt")" == *H200* ]] && { timeout ${TUNE_SECONDS:-150} python -m flashport tune --suite workloads \
        --match "swa|phi3|vit|dit|sdxl" --rounds 2 --out flashport/configs/selection-nvidia-h200.json > "$R/tune.log" 2>&1
