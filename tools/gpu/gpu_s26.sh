@@ -30,7 +30,7 @@ g) export FLASHPORT_TRITON_DIRECT=1
    timeout ${CELL_SECONDS:-50} python tools/gpu/probe_cell.py --rounds 3 --out "$R/cell_sdxl_rounds.json" 2>&1 \
        | grep -E "^round|plan="; save
    FLASHPORT_CUDNN_FIRST=1 FLASHPORT_TABLE=off timeout ${FUZZ_SECONDS:-80} python -m flashport.fuzz --n ${FUZZ_N:-1500} \
-       --seed 2604 --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-80} - 25 )) \
+       --entries hopper,attention --seed 2605 --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-80} - 25 )) \
        --log "$R/fuzz_cudnn_first.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_cudnn_first.log"
    echo "fuzz cudnn-first rc=${PIPESTATUS[0]}"; grep -E "status:|backend:" "$R/fuzz_cudnn_first.log" | head -12; save
    for fixed in 1 0; do   # decode rows time flashport-triton (bench/peers.DECODE)
@@ -40,7 +40,8 @@ g) export FLASHPORT_TRITON_DIRECT=1
 j) export FLASHPORT_TRITON_DIRECT=1   # part g's decisive steps alone (~270 s), for a call with little budget left
    tier triton:${TRITON_SECONDS:-70}
    grep -E "^FAILED|Error" "$R/tier/triton.log" | cut -c1-240 | head -8
-   FLASHPORT_CUDNN_FIRST=1 FLASHPORT_TABLE=off timeout ${FUZZ_SECONDS:-65} python -m flashport.fuzz --n 1500 --seed 2604 \
+   FLASHPORT_CUDNN_FIRST=1 FLASHPORT_TABLE=off timeout ${FUZZ_SECONDS:-65} python -m flashport.fuzz --n 1500 --seed 2605 \
+       --entries hopper,attention \
        --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-65} - 25 )) \
        --log "$R/fuzz_cudnn_first.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_cudnn_first.log"
    echo "fuzz cudnn-first rc=${PIPESTATUS[0]}"; grep -E "status:|backend:" "$R/fuzz_cudnn_first.log" | head -12; save
