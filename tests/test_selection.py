@@ -267,16 +267,12 @@ def test_static_priority_puts_cudnn_first_on_hopper_where_the_table_measured_it_
             assert (ranked[0] is cudnn) == (first or not any(b.prefers(s, "fwd") for b in ours)), (on, s)
             assert ours_order.setdefault(s, ours) == ours, (on, s)   # the switch never reorders ours
             assert max(ranked.index(b) for b in ours) < min(ranked.index(fa2), ranked.index(eff))
-    monkeypatch.setenv("FLASHPORT_CUDNN_FIRST", "1")
-    assert _cudnn_first_at_96_with_a_split_off(monkeypatch, triton_backend, spec(96, True))
+    monkeypatch.setenv("FLASHPORT_CUDNN_FIRST", "1")   # D=96 keeps the Gluon kernels only while both splits are on
+    assert not triton_backend.cudnn_first(spec(96, True))
+    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_SPLIT", "0")
+    assert triton_backend.cudnn_first(spec(96, True))
     monkeypatch.setattr(triton_backend, "_capability", lambda index: (8, 0))   # an A100: no such measurement
     for s in always + switched:
         assert not cudnn.leads(s, "fwd"), s
         assert triton.prefers(s, "fwd"), s
 
-
-def _cudnn_first_at_96_with_a_split_off(monkeypatch, triton_backend, s) -> bool:
-    """D=96 keeps the Gluon kernels only while both split switches are on."""
-    assert not triton_backend.cudnn_first(s)
-    monkeypatch.setenv("FLASHPORT_HOPPER_BWD_SPLIT", "0")
-    return triton_backend.cudnn_first(s)

@@ -17,7 +17,7 @@ from __future__ import annotations
 from ..capabilities import Capabilities
 from ..spec import AttnSpec
 from ..kernels import versions
-from .triton import TritonBackend, _interpreting
+from .triton import TritonBackend, _interpreting, trains_at_256
 
 FWD_HEAD_DIMS = (64, 80, 96, 128, 256)   # 80, 96: two column parts (attn_fwd_hopper.TILES), behind their switch
 BWD_HEAD_DIMS = (64, 80, 96, 128)   # 80, 96: two column parts (attn_bwd_hopper.SPLIT), behind their switch
@@ -61,7 +61,7 @@ class GluonBackend(TritonBackend):
     def prefers(self, spec: AttnSpec, role: str) -> bool:
         if role == "bwd":
             return True
-        if spec.needs_grad and spec.head_dim == 256:   # its training forward pairs with the Triton backward there
+        if trains_at_256(spec):   # its training forward pairs with the Triton backward there
             return False
         from ..kernels import attn_fwd_hopper
         floor = attn_fwd_hopper.min_keys(spec.head_dim, attn_fwd_hopper.is_causal(spec))

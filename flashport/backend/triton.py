@@ -81,6 +81,11 @@ def padded_dims(spec: AttnSpec) -> bool:
     return spec.head_dim not in (64, 128, 256) or spec.head_dim_v != spec.head_dim
 
 
+def trains_at_256(spec: AttnSpec) -> bool:
+    """A training call at D = Dv = 256: cuDNN's forward + backward outruns every pair of these kernels there (row 94)."""
+    return spec.needs_grad and spec.head_dim == spec.head_dim_v == 256
+
+
 def _gluon_splits_96(spec: AttnSpec) -> bool:
     return (spec.head_dim == spec.head_dim_v == 96 and env.flag("FLASHPORT_HOPPER_FWD_SPLIT")
             and env.flag("FLASHPORT_HOPPER_BWD_SPLIT"))
@@ -94,7 +99,7 @@ def cudnn_first(spec: AttnSpec) -> bool:
     gives to the next plan in static priority."""
     if spec.kind != "dense" or spec.dtype not in (torch.float16, torch.bfloat16):
         return False
-    if spec.needs_grad and spec.head_dim == 256 and spec.head_dim_v == 256:
+    if trains_at_256(spec):
         return True
     if not env.flag("FLASHPORT_CUDNN_FIRST"):
         return False
@@ -195,7 +200,7 @@ class TritonBackend(dispatch.Backend):
             return True
         # on Hopper, cuDNN runs the head dims these kernels pad 1.3-2x faster (results/issue8_h200_s12/, D = 72, 80,
         # 96, 192/128); at D=256 their training forward would pair with their backward, which cuDNN's outruns
-        return not ((padded_dims(spec) or (spec.needs_grad and spec.head_dim == 256)) and _on_hopper(spec))
+        return not ((padded_dims(spec) or trains_at_256(spec)) and _on_hopper(spec))
 
     def input_reasons(self, spec: AttnSpec, inputs: AttnInputs) -> list[str]:
         return mods_reasons(spec, inputs)

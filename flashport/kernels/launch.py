@@ -49,6 +49,8 @@ def triton_direct(t: torch.Tensor) -> bool:
     this module on its own, outside the package."""
     from .. import env
     return t.is_cuda and env.flag("FLASHPORT_TRITON_DIRECT")
+
+
 _JIT_ONLY = ("jit only",)     # a cache entry for a compiled kernel that lacks the fields the direct path needs
 
 
