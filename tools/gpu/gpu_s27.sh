@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# The 27th session's device calls.  Each part returns $OUT/<part>.tgz (results under /tmp/s27_<part>).
+#   PART=g (one call, ~500 s, any sm_90 card, no FA4): an auto fuzz with FLASHPORT_CUDNN_FIRST=1 (row 97: cuDNN
+#          first where no table bucket fits, counted by its backend:sdpa-cudnn line); the triton GPU tier and a triton
+#          fuzz (direct launches, row 96); the SDXL cell's backend=None vs backend='triton' host time with the order
+#          reversed per round (row 92: a first-measured penalty?); ragged paged decode with
+#          FLASHPORT_DECODE_FIXED_CHUNKS 1 / 0 (row 93)
+#   PART=j (~270 s, any sm_90): g's decisive steps alone (triton tier and fuzz with direct launches, the cuDNN-first
+#          fuzz, the host A/B), for a call with little device budget left
+#   PART=i (the same warm card after g, ~150 s, any sm_90): row 97's rule measured where it acts -- backend=None with
+#          the table off, FLASHPORT_CUDNN_FIRST 0 / 1 alternating, beside cuDNN, on shapes no table bucket holds
+#          (tools/gpu/static_ab.py)
+#   PART=h (the same warm card if an H200, ~580 s): the table's buckets the Gluon variants changed re-tuned, with the
+#          SDXL cell's, then the workloads suite with every peer but FA4 (FLASHPORT_CUDNN_FIRST as the caller sets)
+#   PART=a (carry .fa4a, results/ moved out of the tree) then PART=b (carry .fa4b, within 30 s), on an H200: FA4's
+#          two steps, a Hopper-focused fuzz, then the workloads suite's dense shapes with FA4's column; PART=c on the
+#          same warm machine: the rest of the workloads suite, the programmable suite, ragged decode
+SESSION=s27; . "$(dirname "$0")/session.sh"
+case "$PART" in
+g) export FLASHPORT_TRITON_DIRECT=1   # the cuDNN-first fuzz first: the flip of row 97's default waits on it
+   FLASHPORT_CUDNN_FIRST=1 FLASHPORT_TABLE=off timeout ${FUZZ_SECONDS:-150} python -m flashport.fuzz --n ${FUZZ_N:-3000} \
+       --entries hopper,attention --seed 2705 --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-150} - 25 )) \
+       --log "$R/fuzz_cudnn_first.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_cudnn_first.log"
+   echo "fuzz cudnn-first rc=${PIPESTATUS[0]}"; grep -E "status:|cases in|backend:" "$R/fuzz_cudnn_first.log" | head -12; save
+   tier triton:${TRITON_SECONDS:-100}
+   grep -E "^FAILED|Error" "$R/tier/triton.log" | cut -c1-240 | head -8
+   timeout ${FUZZ_TRITON_SECONDS:-60} python -m flashport.fuzz --backend triton --n ${FUZZ_TRITON_N:-1000} --seed 2703 \
+       --dtype bfloat16,float16,float32 --device cuda --max-seconds $(( ${FUZZ_TRITON_SECONDS:-60} - 20 )) \
+       --log "$R/fuzz_triton.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_triton.log"
+   echo "fuzz triton rc=${PIPESTATUS[0]}"; grep -E "status:|cases in" "$R/fuzz_triton.log" | head -4; save
+   timeout ${CELL_SECONDS:-50} python tools/gpu/probe_cell.py --rounds 3 --out "$R/cell_sdxl_rounds.json" 2>&1 \
+       | grep -E "^round|plan="; save
+   for fixed in 1 0; do   # decode rows time flashport-triton (bench/peers.DECODE)
+     FLASHPORT_DECODE_FIXED_CHUNKS=$fixed timeout 40 python -m flashport bench --suite workloads --match "ragged" \
+         --peers flashport-triton --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged" | tail -1 | cut -c1-200
+   done ;;
+j) export FLASHPORT_TRITON_DIRECT=1   # part g's decisive steps alone (~270 s), for a call with little budget left
+   tier triton:${TRITON_SECONDS:-70}
+   grep -E "^FAILED|Error" "$R/tier/triton.log" | cut -c1-240 | head -8
+   FLASHPORT_CUDNN_FIRST=1 FLASHPORT_TABLE=off timeout ${FUZZ_SECONDS:-65} python -m flashport.fuzz --n 1500 --seed 2605 \
+       --entries hopper,attention \
+       --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-65} - 25 )) \
+       --log "$R/fuzz_cudnn_first.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_cudnn_first.log"
+   echo "fuzz cudnn-first rc=${PIPESTATUS[0]}"; grep -E "status:|backend:" "$R/fuzz_cudnn_first.log" | head -12; save
+   timeout ${FUZZ_TRITON_SECONDS:-55} python -m flashport.fuzz --backend triton --n 1000 --seed 2603 \
+       --dtype bfloat16,float16,float32 --device cuda --max-seconds $(( ${FUZZ_TRITON_SECONDS:-55} - 20 )) \
+       --log "$R/fuzz_triton.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_triton.log"
+   echo "fuzz triton rc=${PIPESTATUS[0]}"; grep -E "status:|cases in" "$R/fuzz_triton.log" | head -4; save
+   timeout ${AB_SECONDS:-60} python tools/gpu/host_ab_direct.py --rounds 2 --out "$R/host_ab_direct.json" 2>&1 \
+       | grep -v Warning ;;
+i) timeout ${AB_SECONDS:-170} python tools/gpu/static_ab.py --out "$R/static_ab.json" 2>&1 | grep -v Warning | cut -c1-220 ;;
+h) mkdir -p "$R/workloads"
+   echo "FLASHPORT_CUDNN_FIRST=${FLASHPORT_CUDNN_FIRST:-default} FLASHPORT_TRITON_DIRECT=${FLASHPORT_TRITON_DIRECT:-default}" \
+       | tee "$R/switches.txt"
+   cp flashport/configs/selection-nvidia-h200.json "$R/selection-before.json"
+   [[ "$(cat "$R/card.txt")" == *H200* ]] && { timeout ${TUNE_SECONDS:-150} python -m flashport tune --suite workloads \
+       --match "swa|phi3|vit|dit|sdxl" --rounds 2 --out flashport/configs/selection-nvidia-h200.json > "$R/tune.log" 2>&1
+     echo "tune rc=$?"; tail -6 "$R/tune.log"; cp flashport/configs/selection-nvidia-h200.json "$R/"; save; }
+   timeout ${WORK_SECONDS:-400} python -m flashport bench --suite workloads --out "$R/workloads" \
+       --peers flashport,flashport-triton,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(" > "$R/workloads/bench.log"
+   echo "workloads rc=${PIPESTATUS[0]}"; grep -E " ok " "$R/workloads/bench.log" | grep "flashport " | cut -c1-150 ;;
+a) fa4_step1 ;;
+b) fa4_step2
+   timeout ${FUZZ_SECONDS:-150} python -m flashport.fuzz --entries hopper --n ${FUZZ_N:-2400} --seed 2601 \
+       --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-150} - 40 )) \
+       --log "$R/fuzz_hopper_h200.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_hopper_h200.log"
+   echo "fuzz rc=${PIPESTATUS[0]}"; grep -E "status:|gluon" "$R/fuzz_hopper_h200.log" | head -24; save
+   mkdir -p "$R/workloads"   # the dense shapes (9 of 17 x 6 peers; the 24th session's H100 ran 11 in ~430 s)
+   timeout ${WORK_SECONDS:-400} python -m flashport bench --suite workloads --out "$R/workloads" \
+       --match "llama3|mistral|gemma2|phi3|vit|dit|deepseek|fa3|sdxl" \
+       --peers flashport,flashport-triton,fa4,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(\|exe_args" \
+       > "$R/workloads/bench.log"
+   echo "workloads rc=${PIPESTATUS[0]}"; tail -30 "$R/workloads/bench.log" | cut -c1-160 ;;
+c) fa4_env; mkdir -p "$R/workloads" "$R/programmable"   # the same warm machine, after b
+   timeout ${WORK_SECONDS:-150} python -m flashport bench --suite workloads --out "$R/workloads" \
+       --match "packed|chunked|spec|ragged" \
+       --peers flashport,flashport-triton,fa4,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(\|exe_args" \
+       > "$R/workloads/bench.log"
+   echo "workloads rest rc=${PIPESTATUS[0]}"; grep -E " ok | n/a " "$R/workloads/bench.log" | cut -c1-150 | head -30; save
+   timeout ${MASK_SECONDS:-300} python -m flashport bench --suite programmable --out "$R/programmable" \
+       --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin,builtin-fa4 2>&1 \
+       | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
+   echo "programmable rc=${PIPESTATUS[0]}"; grep -E " ok | failed " "$R/programmable/bench.log" | cut -c1-110; save
+   for fixed in 1 0 1; do   # PERFLOG row 93 (decode is timed for flashport-triton: bench/peers.DECODE)
+     FLASHPORT_DECODE_FIXED_CHUNKS=$fixed timeout 40 python -m flashport bench --suite workloads --match "ragged" \
+         --peers flashport-triton --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged" | tail -2
+   done; save ;;
+esac
+save; ls -la "$OUT"
