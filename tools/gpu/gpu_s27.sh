@@ -12,9 +12,9 @@
 #          (tools/gpu/static_ab.py)
 #   PART=h (the same warm card if an H200, ~580 s): the table's buckets the Gluon variants changed re-tuned, with the
 #          SDXL cell's, then the workloads suite with every peer but FA4 (FLASHPORT_CUDNN_FIRST as the caller sets)
-#   PART=a (carry .fa4a, results/ moved out of the tree) then PART=b (carry .fa4b, within 30 s), on an H200: FA4's
-#          two steps, a Hopper-focused fuzz, then the workloads suite's dense shapes with FA4's column; PART=c on the
-#          same warm machine: the rest of the workloads suite, the programmable suite, ragged decode
+#   PART=a (carry .fa4a, results/ moved out of the tree; ahead of g in the same call) then PART=b (carry .fa4b, within
+#          30 s), on an H200: FA4's two steps, the programmable suite with every peer and the programmable GPU tier
+#          (issue [15]); PART=c on the same warm machine: the workloads suite with FA4's column (issues [8], [14])
 SESSION=s27; . "$(dirname "$0")/session.sh"
 case "$PART" in
 g) export FLASHPORT_TRITON_DIRECT=1   # the cuDNN-first fuzz first: the flip of row 97's default waits on it
@@ -60,30 +60,23 @@ h) mkdir -p "$R/workloads"
        --peers flashport,flashport-triton,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(" > "$R/workloads/bench.log"
    echo "workloads rc=${PIPESTATUS[0]}"; grep -E " ok " "$R/workloads/bench.log" | grep "flashport " | cut -c1-150 ;;
 a) fa4_step1 ;;
-b) fa4_step2
-   timeout ${FUZZ_SECONDS:-150} python -m flashport.fuzz --entries hopper --n ${FUZZ_N:-2400} --seed 2601 \
-       --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-150} - 40 )) \
-       --log "$R/fuzz_hopper_h200.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_hopper_h200.log"
-   echo "fuzz rc=${PIPESTATUS[0]}"; grep -E "status:|gluon" "$R/fuzz_hopper_h200.log" | head -24; save
-   mkdir -p "$R/workloads"   # the dense shapes (9 of 17 x 6 peers; the 24th session's H100 ran 11 in ~430 s)
-   timeout ${WORK_SECONDS:-400} python -m flashport bench --suite workloads --out "$R/workloads" \
-       --match "llama3|mistral|gemma2|phi3|vit|dit|deepseek|fa3|sdxl" \
-       --peers flashport,flashport-triton,fa4,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(\|exe_args" \
-       > "$R/workloads/bench.log"
-   echo "workloads rc=${PIPESTATUS[0]}"; tail -30 "$R/workloads/bench.log" | cut -c1-160 ;;
-c) fa4_env; mkdir -p "$R/workloads" "$R/programmable"   # the same warm machine, after b
-   timeout ${WORK_SECONDS:-150} python -m flashport bench --suite workloads --out "$R/workloads" \
-       --match "packed|chunked|spec|ragged" \
-       --peers flashport,flashport-triton,fa4,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(\|exe_args" \
-       > "$R/workloads/bench.log"
-   echo "workloads rest rc=${PIPESTATUS[0]}"; grep -E " ok | n/a " "$R/workloads/bench.log" | cut -c1-150 | head -30; save
+b) fa4_step2   # issue [15]'s H200 evidence first: the programmable suite with every peer, then its GPU tier
+   mkdir -p "$R/programmable"
    timeout ${MASK_SECONDS:-300} python -m flashport bench --suite programmable --out "$R/programmable" \
        --peers flashport,flashport-triton,flex,flex-flash,fa4,builtin,builtin-fa4 2>&1 \
        | grep -v "aux_data\|exe_args\|Warning" > "$R/programmable/bench.log"
    echo "programmable rc=${PIPESTATUS[0]}"; grep -E " ok | failed " "$R/programmable/bench.log" | cut -c1-110; save
-   for fixed in 1 0 1; do   # PERFLOG row 93 (decode is timed for flashport-triton: bench/peers.DECODE)
-     FLASHPORT_DECODE_FIXED_CHUNKS=$fixed timeout 40 python -m flashport bench --suite workloads --match "ragged" \
-         --peers flashport-triton --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged" | tail -2
-   done; save ;;
+   programmable_tier ${TIER_SECONDS:-240}; save ;;
+c) fa4_env; mkdir -p "$R/workloads" "$R/workloads_rest"   # the same warm machine, after b
+   timeout ${WORK_SECONDS:-400} python -m flashport bench --suite workloads --out "$R/workloads" \
+       --match "llama3|mistral|gemma2|phi3|vit|dit|deepseek|fa3|sdxl" \
+       --peers flashport,flashport-triton,fa4,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(\|exe_args" \
+       > "$R/workloads/bench.log"
+   echo "workloads rc=${PIPESTATUS[0]}"; grep -E " ok | n/a " "$R/workloads/bench.log" | cut -c1-160 | head -40; save
+   timeout ${REST_SECONDS:-150} python -m flashport bench --suite workloads --out "$R/workloads_rest" \
+       --match "packed|chunked|spec|ragged" \
+       --peers flashport,flashport-triton,fa4,sdpa-cudnn,sdpa-fa2,flex 2>&1 | grep -v "Warning\|warn(\|exe_args" \
+       > "$R/workloads_rest/bench.log"
+   echo "workloads rest rc=${PIPESTATUS[0]}"; grep -E " ok | n/a " "$R/workloads_rest/bench.log" | cut -c1-150 | head -30 ;;
 esac
 save; ls -la "$OUT"
