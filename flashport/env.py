@@ -62,10 +62,10 @@ SWITCHES = {s.name: s for s in (
     Switch("FLASHPORT_HOPPER_BWD_WINDOW", "1", "0: the Hopper backward leaves sliding windows (Sq == Sk; tiles outside "
                                                "the band skipped) to the Triton kernels (rollback switch; PERFLOG "
                                                "rows 78, 95)"),
-    Switch("FLASHPORT_CUDNN_FIRST", "0", "1: where no selection-table bucket fits, static priority on Hopper puts "
-                                         "cuDNN's plan before flashport's kernels for dense 16-bit training calls "
-                                         "under 64k keys, short inference calls at D <= 128 and padded head "
-                                         "dims but a split D=96 (off until a GPU fuzz hits cuDNN hundreds of times: "
+    Switch("FLASHPORT_CUDNN_FIRST", "1", "0: where no selection-table bucket fits, static priority on Hopper puts "
+                                         "flashport's kernels first again (D=256 training aside) instead of cuDNN's "
+                                         "plan for dense 16-bit training calls under 64k keys, short inference "
+                                         "calls at D <= 128 and padded head dims but a split D=96 (rollback switch; "
                                          "PERFLOG row 97)"),
     Switch("FLASHPORT_TRITON_DIRECT", "1", "0: the portable Triton kernels (forward, dK/dV, dQ) go through "
                                            "JITFunction.run at every call instead of direct launches after their "

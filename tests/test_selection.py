@@ -223,7 +223,7 @@ def test_a_backend_slow_on_a_gpu_ranks_last_there_whatever_it_prefers():
 
 def test_static_priority_puts_cudnn_first_on_hopper_where_the_table_measured_it_faster(monkeypatch):
     """Where no table bucket fits, cuDNN's plan leads static priority on Hopper (backend/triton.py: cudnn_first) for
-    D=256 training calls, and with FLASHPORT_CUDNN_FIRST=1 for the other dense calls where the H200 table measured it
+    D=256 training calls, and unless FLASHPORT_CUDNN_FIRST=0 for the other dense calls where the H200 table measured it
     faster: training calls over fewer than 64k keys, short inference calls at D <= 128, padded head dims but the D=96
     the Gluon kernels split.  Long training calls, long inference calls, D=256 inference, float32 and other cards
     keep ours first.  Whatever leads, the order among flashport's own kernels is theirs (the Gluon forward's length

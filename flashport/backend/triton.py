@@ -93,7 +93,7 @@ def _gluon_splits_96(spec: AttnSpec) -> bool:
 
 def cudnn_first(spec: AttnSpec) -> bool:
     """Whether cuDNN's plan leads static priority for a dense fp16 / bf16 call on Hopper (the caller checks the card):
-    training calls at D=256 (row 94); with FLASHPORT_CUDNN_FIRST=1 also training calls over fewer than LONG_KEYS
+    training calls at D=256 (row 94); unless FLASHPORT_CUDNN_FIRST=0 also training calls over fewer than LONG_KEYS
     keys, inference calls at D <= 128 under SMALL_FORWARD_FLOPS, and the head dims these kernels pad but D=96 where
     the Gluon kernels split it.  cuDNN refuses windows, softcap, ALiBi and deterministic backwards, which auto then
     gives to the next plan in static priority."""

@@ -1,4 +1,4 @@
-"""Same-process A/B of static priority's cuDNN-first rule (PERFLOG row 97: FLASHPORT_CUDNN_FIRST, off by default):
+"""Same-process A/B of static priority's cuDNN-first rule (PERFLOG row 97: FLASHPORT_CUDNN_FIRST, on by default since the 27th session):
 backend=None with the selection table off and the switch 0 / 1 in alternating rounds, beside cuDNN alone, on
 shapes of issue [8]'s kinds that no shipped table bucket holds (other batches, lengths and head counts than the
 workloads suite's, as its verification uses).  Forward + backward milliseconds (training) or forward (inference),
