@@ -7,6 +7,8 @@
 #          FLASHPORT_DECODE_FIXED_CHUNKS 1 / 0 (row 93)
 #   PART=j (~270 s, any sm_90): g's decisive steps alone (triton tier and fuzz with direct launches, the cuDNN-first
 #          fuzz, the host A/B), for a call with little device budget left
+#   PART=k (~320 s, any sm_90): after cuDNN-first's flip, the fixed q_chunks test, the operability tier (the leak test
+#          runs the shipped defaults), an auto fuzz with every default, and probe_static_mla.py
 #   PART=i (the same warm card after g, ~150 s, any sm_90): row 97's rule measured where it acts -- backend=None with
 #          the table off, FLASHPORT_CUDNN_FIRST 0 / 1 alternating, beside cuDNN, on shapes no table bucket holds
 #          (tools/gpu/static_ab.py)
@@ -48,6 +50,15 @@ j) export FLASHPORT_TRITON_DIRECT=1   # part g's decisive steps alone (~270 s), 
    echo "fuzz triton rc=${PIPESTATUS[0]}"; grep -E "status:|cases in" "$R/fuzz_triton.log" | head -4; save
    timeout ${AB_SECONDS:-60} python tools/gpu/host_ab_direct.py --rounds 2 --out "$R/host_ab_direct.json" 2>&1 \
        | grep -v Warning ;;
+k) timeout 45 python -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rfE tests/gpu/test_triton_gpu.py \
+       -k "q_chunks_auto_split" > "$R/qchunks.log" 2>&1; echo "q_chunks rc=$? $(tail -1 "$R/qchunks.log")"; save
+   tier operability:${OPER_SECONDS:-100}   # the leak test runs static priority as shipped: cuDNN first since row 97
+   timeout ${FUZZ_SECONDS:-110} python -m flashport.fuzz --n 3000 --seed 2706 --dtype bfloat16,float16 --device cuda \
+       --max-seconds $(( ${FUZZ_SECONDS:-110} - 25 )) --log "$R/fuzz_default.jsonl" 2>&1 \
+       | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_default.log"   # as a user runs it: the shipped table, every default
+   echo "fuzz default rc=${PIPESTATUS[0]}"; grep -E "status:|cases in|backend:" "$R/fuzz_default.log" | head -12; save
+   timeout ${MLA_SECONDS:-60} python tools/gpu/probe_static_mla.py --out "$R/probe_static_mla.json" 2>&1 | grep -v Warn \
+       | cut -c1-300 ;;
 i) timeout ${AB_SECONDS:-170} python tools/gpu/static_ab.py --out "$R/static_ab.json" 2>&1 | grep -v Warning | cut -c1-220 ;;
 h) mkdir -p "$R/workloads"
    echo "FLASHPORT_CUDNN_FIRST=${FLASHPORT_CUDNN_FIRST:-default} FLASHPORT_TRITON_DIRECT=${FLASHPORT_TRITON_DIRECT:-default}" \
