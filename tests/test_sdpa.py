@@ -177,3 +177,26 @@ def test_allowing_sets_what_sdpa_kernel_sets_and_restores_it(kernels):
         assert _sdpa_state() == before
     finally:
         torch.backends.cuda.enable_math_sdp(True)
+
+
+def test_the_cuda_probe_asks_pytorchs_checks_without_their_warnings(monkeypatch):
+    """_probe_cuda calls PyTorch's can_use_* checks with debug=False: with debug=True they report through TORCH_WARN,
+    which reached users' stderr (or an enclosing autograd Function's UserWarnings) once per GQA shape on the GPU.
+    A refused kernel still gets a reason naming its check.  The checks are stand-ins here (a CPU build's refuse
+    everything)."""
+    from flashport.backend import sdpa
+    asked = []
+
+    def check(name, ok):
+        def fn(params, debug=False):
+            asked.append((name, debug))
+            return ok
+        return fn
+
+    monkeypatch.setattr(sdpa, "_can_use", lambda: {"cudnn": check("cudnn", False), "flash": check("flash", True),
+                                                   "efficient": check("efficient", False)})
+    usable, why = sdpa._probe_cuda.__wrapped__(torch.device("meta"), torch.bfloat16, 8, 2, 128, 128, 16, 16,
+                                               "top_left", True)
+    assert usable == ("flash",)
+    assert sorted(asked) == [("cudnn", False), ("efficient", False), ("flash", False)]
+    assert [w.split(":")[0] for w in why] == ["cudnn", "efficient"] and "can_use_cudnn_attention" in why[0]
