@@ -26,6 +26,7 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
 from .block_mask import BlockMask, as_block_mask
+from .mask_rules import band_of
 
 FEATURES = ("score_mod", "mask_mod", "block_mask", "attn_bias")
 
@@ -128,11 +129,13 @@ def _mask_only(prog: Optional[Programmable]) -> bool:
 
 
 def _declared(prog: Optional[Programmable]) -> Optional[tuple]:
-    """The rule a mask_mod declares (mods._rule: the ready-made causal, windows and prefix-LM) in a mask-only call
-    without a block mask, or None."""
+    """The rule a mask_mod declares (mods._rule: the ready-made causal, windows and prefix-LM), or else the band its
+    code provably is (mask_rules.band_of: a user's own causal or sliding-window lambda), in a mask-only call without
+    a block mask; or None."""
     if prog is None or prog.score_mod is not None or prog.attn_bias is not None or prog.block_mask is not None:
         return None
-    return getattr(prog.mask_mod, "builtin_rule", None)
+    rule = getattr(prog.mask_mod, "builtin_rule", None)
+    return rule if rule is not None else band_of(prog.mask_mod)
 
 
 def builtin_window(prog: Optional[Programmable], window: tuple, batch: int, heads_q: int, sq: int,

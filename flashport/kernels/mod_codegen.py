@@ -70,7 +70,14 @@ def _trace(fn: Callable, with_score: bool, device, grad=False):
             y = fn(score, b, h, q_idx, kv_idx)
             return torch.autograd.grad(y, grad, torch.ones_like(y), allow_unused=True)
 
-    target = fn if grad is False else score_grad if grad is True else cap_grads
+    def called(*args):   # fn itself may take more parameters, with defaults: make_fx wants exactly the indices
+        return fn(*args)
+
+    if grad is False:
+        target = (lambda score, b, h, q_idx, kv_idx: called(score, b, h, q_idx, kv_idx)) if with_score else \
+            (lambda b, h, q_idx, kv_idx: called(b, h, q_idx, kv_idx))
+    else:
+        target = score_grad if grad is True else cap_grads
     try:
         with torch.no_grad() if grad is False else torch.enable_grad():
             return make_fx(target, tracing_mode="real")(*_index_args(with_score, device))
