@@ -27,7 +27,11 @@ from ..backend.reference import materialized_attention
 from ..programmable import build
 
 MASKS = ("none", "causal", "window_sinks", "prefix_lm", "document", "block_sparse", "empty_rows")
-ALL_MASKS = MASKS + ("band",)   # "band" is drawn apart, last (see draw)
+ALL_MASKS = MASKS + ("band", "lambda")   # drawn apart, last (see draw)
+# masks as users write them, without a block mask: mask_rules.band_of reads the bands among them as built-in windows
+# (in the mask's own top-left positions: `causal` with Sq < Sk hides keys no bottom-right window can), the rest stay
+# mask_mods
+LAMBDAS = ("causal", "causal_bottom_right", "window", "symmetric", "ahead", "strict", "every_third")
 SCORES = ("none", "alibi", "softcap", "rel_table")
 BIAS = ("none", "full", "head_row", "key_only")
 
@@ -58,7 +62,22 @@ def draw(seed: int, index: int) -> dict:
                 c.update(block=rng.random() < 0.5)
         if rng.random() < 0.7:
             c.update(score="none", bias="none")
+    if rng.random() < 0.15:
+        c.update(mask="lambda", lam=rng.choice(LAMBDAS), block=False)
+        if rng.random() < 0.7:
+            c.update(score="none", bias="none")
     return c
+
+
+def _lambda_mask(name: str, sq: int, sk: int, w: int):
+    off = sk - sq
+    return {"causal": lambda b, h, i, j: i >= j,
+            "causal_bottom_right": lambda b, h, i, j: i + off >= j,
+            "window": lambda b, h, i, j: (i >= j) & (i - j <= w),
+            "symmetric": lambda b, h, i, j: (i - j).abs() <= w,
+            "ahead": lambda b, h, i, j: (j - i <= w) & (i - j <= w // 2),
+            "strict": lambda b, h, i, j: i > j,
+            "every_third": lambda b, h, i, j: (i - j) % 3 == 0}[name]
 
 
 def served(c: dict, backend: str) -> dict:
@@ -92,7 +111,8 @@ def _mods(c: dict, g: torch.Generator, device):
             "block_sparse": mods.block_sparse(-(-sq // 8), -(-sk // 8), block_size=8, density=0.4,
                                               seed=c["data_seed"], device=device),
             "empty_rows": lambda b, h, i, j: (i >= sq // 2) & (j <= i + h % 2),
-            "band": _band_mask(sq, sk, *c.get("band", (-1, -1)))}[c["mask"]]
+            "band": _band_mask(sq, sk, *c.get("band", (-1, -1))),
+            "lambda": _lambda_mask(c.get("lam", "causal"), sq, sk, c["window"])}[c["mask"]]
     table = torch.randn(hq, 7, generator=g).to(device).requires_grad_(c["grad_table"])
     slopes = (torch.rand(hq, generator=g) * 0.5).to(device)
     score = {"none": None, "alibi": mods.alibi(slopes), "softcap": mods.tanh_softcap(2.5),
@@ -192,6 +212,8 @@ def main(argv=None) -> int:
         skips += r["status"] == "SKIP"
         for key in ("mask", "score", "bias"):
             counts[f"{key}={c[key]}"] = counts.get(f"{key}={c[key]}", 0) + 1
+        if c["mask"] == "lambda":
+            counts[f"lambda={c['lam']}"] = counts.get(f"lambda={c['lam']}", 0) + 1
         for rule in r.get("rewritten", ()):   # run as a built-in call (backend=None): flashport.rewrites' rules
             counts[f"as_builtin_{rule}"] = counts.get(f"as_builtin_{rule}", 0) + 1
         counts[f"block_mask={c['block'] and c['mask'] != 'none'}"] = counts.get(
