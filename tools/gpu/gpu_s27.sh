@@ -7,6 +7,8 @@
 #          FLASHPORT_DECODE_FIXED_CHUNKS 1 / 0 (row 93)
 #   PART=j (~270 s, any sm_90): g's decisive steps alone (triton tier and fuzz with direct launches, the cuDNN-first
 #          fuzz, the host A/B), for a call with little device budget left
+#   PART=t1 / t2 (~550 / ~450 s, any sm_90): the GPU tier files this session's limits cut (hopper_fwd, hopper_bwd;
+#          triton, compile, operability), with limits a fresh machine's compiles fit in
 #   PART=k (~320 s, any sm_90): after cuDNN-first's flip, the fixed q_chunks test, the operability tier (the leak test
 #          runs the shipped defaults), an auto fuzz with every default, and probe_static_mla.py
 #   PART=i (the same warm card after g, ~150 s, any sm_90): row 97's rule measured where it acts -- backend=None with
@@ -50,6 +52,10 @@ j) export FLASHPORT_TRITON_DIRECT=1   # part g's decisive steps alone (~270 s), 
    echo "fuzz triton rc=${PIPESTATUS[0]}"; grep -E "status:|cases in" "$R/fuzz_triton.log" | head -4; save
    timeout ${AB_SECONDS:-60} python tools/gpu/host_ab_direct.py --rounds 2 --out "$R/host_ab_direct.json" 2>&1 \
        | grep -v Warning ;;
+t1) tier hopper_fwd:${FWD_SECONDS:-250} hopper_bwd:${BWD_SECONDS:-300}   # the GPU tier whole, in two calls (a fresh
+   grep -hE "^FAILED" "$R"/tier/*.log | cut -c1-250 | head -20 ;;      # machine compiles: 110-120 s cut them)
+t2) tier triton:${TRITON_SECONDS:-150} compile:${COMPILE_SECONDS:-150} operability:${OPER_SECONDS:-150}
+   grep -hE "^FAILED" "$R"/tier/*.log | cut -c1-250 | head -20 ;;
 k) timeout 45 python -m pytest -q -p no:cacheprovider -p no:logging --tb=short -rfE tests/gpu/test_triton_gpu.py \
        -k "q_chunks_auto_split" > "$R/qchunks.log" 2>&1; echo "q_chunks rc=$? $(tail -1 "$R/qchunks.log")"; save
    tier operability:${OPER_SECONDS:-100}   # the leak test runs static priority as shipped: cuDNN first since row 97
