@@ -15,7 +15,8 @@ accepts exactly the masks it can prove are a band of the diagonal:
     (add, sub, neg, multiplication by an integer literal) and `abs`;
   * every comparison (>=, >, <=, <, ==, !=) is between forms whose difference depends on the positions only through
     d = q_idx - kv_idx: a * d + c, or |a * d + c| against a constant;
-  * comparisons combine through and / or / xor / not.
+  * comparisons combine through and / or / xor / not (and the constant True / False that FlexAttention's
+    `and_masks` / `or_masks` start from).
 
 Such a mask is a function of d that is constant for |d| beyond every comparison's breakpoint, so evaluating it on
 the d between those bounds decides it exactly; it is the built-in rule ("band", left, right) where the visible d
@@ -87,9 +88,13 @@ def _reach(gm) -> Optional[int]:
             out = n.args[0]
             out = out[0] if isinstance(out, (tuple, list)) and len(out) == 1 else out
             return reach + 1 if val.get(out) == _BOOLEAN else None
+        name = getattr(n.target, "__name__", str(n.target)).split(".")[0] if n.op == "call_function" else ""
+        if name in ("new_ones", "new_zeros") and len(n.args) == 2 and list(n.args[1]) == [] \
+                and n.kwargs.get("dtype") == torch.bool:
+            val[n] = name == "new_ones"   # FlexAttention's and_masks / or_masks start from b.new_ones / new_zeros
+            continue
         if n.op != "call_function" or any(not isinstance(v, (int, bool)) for v in n.kwargs.values()):
             return None
-        name = getattr(n.target, "__name__", str(n.target)).split(".")[0]
         args = [_operand(a, val) for a in n.args]
         alpha = n.kwargs.get("alpha", 1)
         if any(a is None for a in args):

@@ -13,6 +13,11 @@ from hypothesis import strategies as st
 import flashport
 from flashport import mask_rules, mods
 
+try:   # FlexAttention's combinators start from b.new_ones(()) / b.new_zeros(())
+    from torch.nn.attention.flex_attention import and_masks as flex_and_masks, or_masks as flex_or_masks
+except ImportError:   # torch without FlexAttention: mods' own combinators stand in
+    flex_and_masks, flex_or_masks = mods.and_masks, mods.or_masks
+
 N = 72   # positions evaluated densely: past every breakpoint below
 
 
@@ -45,6 +50,9 @@ BANDS = [
     (lambda b, h, q, kv: 2 * q >= 2 * kv - 3, ("band", -1, 1)),
     (lambda b, h, q, kv: q <= kv, ("band", 0, -1)),
     (lambda b, h, q, kv: (q - kv <= 4) & (kv - q <= 2), ("band", 4, 2)),
+    (mods.and_masks(mods.causal, lambda b, h, q, kv: q - kv <= 9), ("band", 9, 0)),
+    (flex_and_masks(lambda b, h, q, kv: q >= kv, lambda b, h, q, kv: q - kv <= 9), ("band", 9, 0)),
+    (flex_or_masks(lambda b, h, q, kv: q == kv, lambda b, h, q, kv: (q - kv).abs() <= 2), ("band", 2, 2)),
 ]
 NOT_BANDS = [
     lambda b, h, q, kv: q > kv,                                  # the diagonal hidden
