@@ -55,7 +55,7 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     for rule in inputs.extra.get("rewritten", ()):
         monitor.count_rewrite(rule)
     if backend is None and inputs.prog is not None and not spec.dropout_p:
-        docs = builtin_documents(inputs.prog, spec.batch, spec.heads_q)
+        docs = builtin_documents(inputs.prog, spec.batch, spec.heads_q, spec.seqlen_q, spec.seqlen_k, spec.device)
         if docs is not None:
             monitor.count_rewrite("documents")
             return _documents_as_varlen(q, k, v, docs, spec, inputs.alibi_slopes, deterministic, return_lse)

@@ -15,7 +15,8 @@ import torch
 def _rule(mod, *rule):
     """Mark a mod with the built-in feature it is, in its own (top-left) positions.  For a mask_mod: ("band", left,
     right) shows row i the keys i - left .. i + right (-1 unbounded), ("prefix", P) the keys 0 .. max(i, P - 1),
-    ("sinks", w, n) the keys i - w .. i and the first n keys up to i.  For a score_mod: ("alibi", slopes) is the
+    ("sinks", w, n) the keys i - w .. i and the first n keys up to i, ("documents", ids, causal) the keys of row i's
+    document (up to i when causal) where each id is one run of positions.  For a score_mod: ("alibi", slopes) is the
     built-in ALiBi with those slopes.  backend=None runs such a mod as that feature, block mask or not
     (flashport/programmable.py's builtin_*).  Only for mods whose pattern is fixed when they are made, or that read
     a tensor the built-in reads too (the slopes, read at each call)."""
@@ -57,7 +58,7 @@ def document(doc_ids: torch.Tensor, causal: bool = True):
         else:
             same = doc_ids[b, q_idx] == doc_ids[b, kv_idx]
         return same & (q_idx >= kv_idx) if causal else same
-    return mask_mod
+    return _rule(mask_mod, "documents", doc_ids, bool(causal))
 
 
 def alibi(slopes: torch.Tensor):

@@ -174,9 +174,39 @@ def builtin_alibi(prog: Optional[Programmable], alibi: Optional[str], heads_q: i
     return slopes, (rest if rest.features else None)
 
 
-def builtin_documents(prog: Optional[Programmable], batch: int, heads_q: int) -> Optional[tuple]:
-    """BlockMask.documents of a mask-only call: (cu_seqlens, max_seqlen, per_entry, causal), or None."""
-    return prog.block_mask.documents(batch, heads_q) if _mask_only(prog) else None
+def builtin_documents(prog: Optional[Programmable], batch: int, heads_q: int, sq: int, sk: int,
+                      device) -> Optional[tuple]:
+    """(cu_seqlens, max_seqlen, per_entry, causal) of a mask-only call that is packed documents: its block mask's
+    (BlockMask.documents), or the document ids a mask_mod declares (mods.document) where each id is one run of
+    positions in every batch entry (Sq = Sk, the ids on the call's device); else None."""
+    if _mask_only(prog):
+        return prog.block_mask.documents(batch, heads_q)
+    rule = _declared(prog)
+    if rule is None or rule[0] != "documents" or sq != sk:
+        return None
+    return _documents_of_ids(rule[1], rule[2], batch, sq, torch.device(device))
+
+
+def _documents_of_ids(ids: torch.Tensor, causal: bool, batch: int, s: int, device) -> Optional[tuple]:
+    """BlockMask.documents' tuple from document ids [S] or [B, S] (the first s of each entry), or None where an id
+    comes back after another (not packed: no varlen call equals it).  Reads the ids' run counts (a sync on a GPU,
+    as a block mask's own rules are read)."""
+    if (not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool
+            or ids.device != device or ids.dim() not in (1, 2) or ids.shape[-1] < s
+            or (ids.dim() == 2 and ids.shape[0] != batch) or s == 0 or batch == 0):
+        return None
+    ids = ids.detach()[..., :s].expand(batch, s)
+    start = torch.ones_like(ids, dtype=torch.bool)
+    start[:, 1:] = ids[:, 1:] != ids[:, :-1]
+    ranked = ids.sort(-1).values
+    distinct = 1 + (ranked[:, 1:] != ranked[:, :-1]).sum(-1)
+    per_entry = start.sum(-1)
+    if not bool((per_entry == distinct).all()):   # as many runs as ids: each document in one piece
+        return None
+    i = torch.arange(s, device=ids.device)
+    rows = (i + s * torch.arange(batch, device=ids.device)[:, None])[start]   # every document's first row, in order
+    cu = torch.cat([rows, rows.new_full((1,), batch * s)]).to(torch.int32)
+    return cu, int((cu[1:] - cu[:-1]).max()), per_entry, bool(causal)
 
 
 def builtin_prefix(prog: Optional[Programmable], batch: int, heads_q: int, sq: int, sk: int) -> Optional[int]:

@@ -511,6 +511,39 @@ def test_documents_run_as_varlen(monkeypatch):
     assert seen == []
 
 
+def test_declared_documents_run_as_varlen_without_a_block_mask(monkeypatch):
+    """mask_mod=mods.document(ids) alone (no block mask) runs as the same varlen call its block mask would, bitwise,
+    for [S] and [B, S] ids, causal or not, with the call's window; ids that come back after another document
+    (not packed), Sq != Sk, and ids on another device keep the mask_mod.  All exact against the reference."""
+    import flashport.api as api
+    seen = []
+    real = api.attention_varlen
+    monkeypatch.setattr(api, "attention_varlen", lambda *a, **kw: seen.append(a[3].tolist()) or real(*a, **kw))
+    per_entry = torch.stack([torch.repeat_interleave(torch.arange(4), torch.tensor([5, 14, 2, 19])),
+                             torch.repeat_interleave(torch.arange(3), torch.tensor([20, 1, 19]))])
+    shared = torch.repeat_interleave(torch.arange(3), torch.tensor([7, 30, 3]))
+    q, k, v, do = _inputs(torch.float32, sq=40, sk=40)
+    for ids, cu in ((per_entry, [0, 5, 19, 21, 40, 60, 61, 80]), (shared, [0, 7, 37, 40, 47, 77, 80])):
+        for causal in (True, False):
+            for kw in ({}, dict(window_size=(6, 3))):
+                seen.clear()
+                out, lse = flashport.attention(q, k, v, mask_mod=mods.document(ids, causal), return_lse=True, **kw)
+                assert seen == [cu], (ids.dim(), causal, kw)
+                bm = flashport.create_block_mask(mods.document(ids, causal), 2, None, 40, 40, block_size=8)
+                assert torch.equal(out, flashport.attention(q, k, v, block_mask=bm, **kw))
+                _assert_as_reference(q, k, v, do, out, lse, mask_mod=mods.document(ids, causal), **kw)
+    seen.clear()
+    scattered = torch.tensor([0, 1, 0] + [2] * 37)
+    out, lse = flashport.attention(q, k, v, mask_mod=mods.document(scattered), return_lse=True)
+    _assert_as_reference(q, k, v, do, out, lse, mask_mod=mods.document(scattered))
+    q2, k2, v2, _ = _inputs(torch.float32, sq=24, sk=40)
+    flashport.attention(q2, k2, v2, mask_mod=mods.document(shared))
+    assert seen == []
+    from flashport.programmable import _documents_of_ids   # ids on another device than the call's
+    assert _documents_of_ids(shared, True, 2, 40, torch.device("meta")) is None
+    assert _documents_of_ids(shared, True, 2, 40, torch.device("cpu"))[0].tolist() == [0, 7, 37, 40, 47, 77, 80]
+
+
 def test_block_mask_prefix_is_found():
     """Prefix-LM block masks give P (P = 1 is causal, a band; P = S sees everything, a band); a prefix that
     differs per head, a hole, a window after the prefix, or Sq != Sk give None."""

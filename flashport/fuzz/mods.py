@@ -66,6 +66,8 @@ def draw(seed: int, index: int) -> dict:
         c.update(mask="lambda", lam=rng.choice(LAMBDAS), block=False)
         if rng.random() < 0.7:
             c.update(score="none", bias="none")
+    if c["mask"] == "document" and c["sk"] == c["sq"] and rng.random() < 0.5:
+        c.update(block=False)   # the ids mods.document declares: a varlen call without a block mask
     return c
 
 
