@@ -145,8 +145,11 @@ def _band(gm, reach: int) -> Optional[tuple]:
     run holding 0."""
     d = torch.arange(-reach, reach + 1, dtype=torch.int64)
     zero = torch.zeros_like(d)
-    with torch.no_grad():
-        seen = gm(zero, zero, d + reach, torch.full_like(d, reach))
+    try:
+        with torch.no_grad():
+            seen = gm(zero, zero, d + reach, torch.full_like(d, reach))
+    except Exception:   # noqa: BLE001 - an optimisation must not fail the call: the mask_mod keeps serving it
+        return None
     if not isinstance(seen, torch.Tensor) or seen.dtype != torch.bool or seen.shape != d.shape:
         return None
     where = torch.nonzero(seen).flatten()
