@@ -31,6 +31,7 @@ from typing import Callable, Optional
 import torch
 
 MAX_REACH = 1 << 20        # the largest breakpoint evaluated (a window of a million keys); beyond: not recognised
+MAX_SCALE = 1 << 16        # the largest coefficient of q_idx or kv_idx accepted (|values| stay far below 2**63)
 
 _CMP = {"ge", "gt", "le", "lt", "eq", "ne"}
 _BOOL = {"bitwise_and", "bitwise_or", "bitwise_xor", "logical_and", "logical_or", "logical_xor"}
@@ -136,6 +137,10 @@ def _reach(gm) -> Optional[int]:
         else:
             return None
         if reach > MAX_REACH:
+            return None
+        lin = val[n]
+        if isinstance(lin, _Lin) and (max(abs(lin.aq), abs(lin.akv)) > MAX_SCALE or abs(lin.c) > MAX_SCALE * MAX_REACH):
+            # int64 math that could wrap is a function of the absolute positions, not of d alone
             return None
     return None
 

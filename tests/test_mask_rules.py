@@ -62,6 +62,8 @@ NOT_BANDS = [
     lambda b, h, q, kv: ((q - kv).abs() <= 2) | (q - kv == 10),  # two runs
     lambda b, h, q, kv: torch.where(q >= kv, True, False),
     lambda b, h, q, kv: (q >= kv) & (q < 1 << 22),               # past MAX_REACH
+    lambda b, h, q, kv: q * (1 << 40) >= kv * (1 << 40),         # past MAX_SCALE (int64 math that may wrap)
+    lambda b, h, q, kv: q + (1 << 62) >= kv + (1 << 62),
     mods.prefix_lm(10),
     mods.document(torch.tensor([0, 0, 1, 1])),                   # a captured tensor
 ]
