@@ -257,8 +257,15 @@ def _documents(runs: tuple, batch: int) -> Optional[tuple]:
     if not bool(start[:, 0].all() and ((first == doc_start) & (count == last - first + 1)).all()) or not (
             causal or bool((last == doc_end).all())):
         return None
-    per_entry = start.sum(-1)
-    rows = (i + s * torch.arange(batch, device=i.device)[:, None])[start]   # every document's first row, in order
+    return documents_of_starts(start, start.sum(-1), causal)
+
+
+def documents_of_starts(start: torch.Tensor, per_entry: torch.Tensor, causal: bool) -> tuple:
+    """BlockMask.documents' tuple from start [batch, S] (True at each document's first row) and per_entry (its row
+    sums): cu_seqlens over the batch * S rows, the longest document, per_entry, causal."""
+    batch, s = start.shape
+    i = torch.arange(s, device=start.device)
+    rows = (i + s * torch.arange(batch, device=start.device)[:, None])[start]   # every document's first row, in order
     cu = torch.cat([rows, rows.new_full((1,), batch * s)]).to(torch.int32)
     return cu, int((cu[1:] - cu[:-1]).max()), per_entry, causal
 

@@ -25,7 +25,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from .block_mask import BlockMask, as_block_mask
+from .block_mask import BlockMask, as_block_mask, documents_of_starts
 from .mask_rules import band_of
 
 FEATURES = ("score_mod", "mask_mod", "block_mask", "attn_bias")
@@ -128,14 +128,15 @@ def _mask_only(prog: Optional[Programmable]) -> bool:
             and prog.mask_mod is prog.block_mask.mask_mod)
 
 
+def _mask_mod_only(prog: Optional[Programmable]) -> bool:
+    """A mask_mod alone: no score_mod, attn_bias or block mask."""
+    return prog is not None and prog.score_mod is None and prog.attn_bias is None and prog.block_mask is None
+
+
 def _declared(prog: Optional[Programmable]) -> Optional[tuple]:
-    """The rule a mask_mod declares (mods._rule: the ready-made causal, windows and prefix-LM), or else the band its
-    code provably is (mask_rules.band_of: a user's own causal or sliding-window lambda), in a mask-only call without
-    a block mask; or None."""
-    if prog is None or prog.score_mod is not None or prog.attn_bias is not None or prog.block_mask is not None:
-        return None
-    rule = getattr(prog.mask_mod, "builtin_rule", None)
-    return rule if rule is not None else band_of(prog.mask_mod)
+    """The rule a mask_mod declares (mods._rule: the ready-made causal, windows, prefix-LM, documents) in a mask-only
+    call without a block mask, or None."""
+    return getattr(prog.mask_mod, "builtin_rule", None) if _mask_mod_only(prog) else None
 
 
 def builtin_window(prog: Optional[Programmable], window: tuple, batch: int, heads_q: int, sq: int,
@@ -147,7 +148,11 @@ def builtin_window(prog: Optional[Programmable], window: tuple, batch: int, head
     if _mask_only(prog):
         band = prog.block_mask.band(batch, heads_q)
     else:
+        # what the mask_mod declares, or else the band its code provably is (mask_rules.band_of: a user's own causal
+        # or sliding-window lambda); the other builtin_* want declared rules only, which are never a traced band
         rule, off = _declared(prog), sk - sq
+        if rule is None and _mask_mod_only(prog):
+            rule = band_of(prog.mask_mod)
         band = None
         if rule is not None and rule[0] == "band":
             band = tuple(-1 if w < 0 else w + sign * off for w, sign in zip(rule[1:], (1, -1)))
@@ -203,10 +208,7 @@ def _documents_of_ids(ids: torch.Tensor, causal: bool, batch: int, s: int, devic
     per_entry = start.sum(-1)
     if not bool((per_entry == distinct).all()):   # as many runs as ids: each document in one piece
         return None
-    i = torch.arange(s, device=ids.device)
-    rows = (i + s * torch.arange(batch, device=ids.device)[:, None])[start]   # every document's first row, in order
-    cu = torch.cat([rows, rows.new_full((1,), batch * s)]).to(torch.int32)
-    return cu, int((cu[1:] - cu[:-1]).max()), per_entry, bool(causal)
+    return documents_of_starts(start, per_entry, bool(causal))
 
 
 def builtin_prefix(prog: Optional[Programmable], batch: int, heads_q: int, sq: int, sk: int) -> Optional[int]:

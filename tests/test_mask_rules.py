@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 
 import flashport
 from flashport import mask_rules, mods
+from flashport.masks import Visibility
 
 try:   # FlexAttention's combinators start from b.new_ones(()) / b.new_zeros(())
     from torch.nn.attention.flex_attention import and_masks as flex_and_masks, or_masks as flex_or_masks
@@ -28,14 +29,9 @@ def _dense(mask_mod, n=N):
 
 
 def _band_mask(rule, n=N):
+    """The built-in rule's own visibility (Sq = Sk: top-left and bottom-right positions agree)."""
     _, left, right = rule
-    d = torch.arange(n).view(-1, 1) - torch.arange(n).view(1, -1)
-    seen = torch.ones(n, n, dtype=torch.bool)
-    if left >= 0:
-        seen &= d <= left
-    if right >= 0:
-        seen &= -d <= right
-    return seen
+    return Visibility(n, n, left, right).sees(torch.arange(n).view(-1, 1), torch.arange(n).view(1, -1)).expand(n, n)
 
 
 W = 30
