@@ -5,8 +5,6 @@
 #          fuzz (direct launches, row 96); the SDXL cell's backend=None vs backend='triton' host time with the order
 #          reversed per round (row 92: a first-measured penalty?); ragged paged decode with
 #          FLASHPORT_DECODE_FIXED_CHUNKS 1 / 0 (row 93)
-#   PART=j (~270 s, any sm_90): g's decisive steps alone (triton tier and fuzz with direct launches, the cuDNN-first
-#          fuzz, the host A/B), for a call with little device budget left
 #   PART=t1 / t2 (~550 / ~450 s, any sm_90): the GPU tier files this session's limits cut (hopper_fwd, hopper_bwd;
 #          triton, compile, operability), with limits a fresh machine's compiles fit in
 #   PART=k (~320 s, any sm_90): after cuDNN-first's flip, the fixed q_chunks test, the operability tier (the leak test
@@ -38,20 +36,6 @@ g) export FLASHPORT_TRITON_DIRECT=1   # the cuDNN-first fuzz first: the flip of 
      FLASHPORT_DECODE_FIXED_CHUNKS=$fixed timeout 40 python -m flashport bench --suite workloads --match "ragged" \
          --peers flashport-triton --out "$R/decode_fixed$fixed" --tag "r$RANDOM" 2>&1 | grep -E "ragged" | tail -1 | cut -c1-200
    done ;;
-j) export FLASHPORT_TRITON_DIRECT=1   # part g's decisive steps alone (~270 s), for a call with little budget left
-   tier triton:${TRITON_SECONDS:-70}
-   grep -E "^FAILED|Error" "$R/tier/triton.log" | cut -c1-240 | head -8
-   FLASHPORT_CUDNN_FIRST=1 FLASHPORT_TABLE=off timeout ${FUZZ_SECONDS:-65} python -m flashport.fuzz --n 1500 --seed 2605 \
-       --entries hopper,attention \
-       --dtype bfloat16,float16 --device cuda --max-seconds $(( ${FUZZ_SECONDS:-65} - 25 )) \
-       --log "$R/fuzz_cudnn_first.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_cudnn_first.log"
-   echo "fuzz cudnn-first rc=${PIPESTATUS[0]}"; grep -E "status:|backend:" "$R/fuzz_cudnn_first.log" | head -12; save
-   timeout ${FUZZ_TRITON_SECONDS:-55} python -m flashport.fuzz --backend triton --n 1000 --seed 2603 \
-       --dtype bfloat16,float16,float32 --device cuda --max-seconds $(( ${FUZZ_TRITON_SECONDS:-55} - 20 )) \
-       --log "$R/fuzz_triton.jsonl" 2>&1 | grep -v "Warning\|^\[fuzz\]" > "$R/fuzz_triton.log"
-   echo "fuzz triton rc=${PIPESTATUS[0]}"; grep -E "status:|cases in" "$R/fuzz_triton.log" | head -4; save
-   timeout ${AB_SECONDS:-60} python tools/gpu/host_ab_direct.py --rounds 2 --out "$R/host_ab_direct.json" 2>&1 \
-       | grep -v Warning ;;
 t1) tier hopper_fwd:${FWD_SECONDS:-250} hopper_bwd:${BWD_SECONDS:-300}   # the GPU tier whole, in two calls (a fresh
    grep -hE "^FAILED" "$R"/tier/*.log | cut -c1-250 | head -20 ;;      # machine compiles: 110-120 s cut them)
 t2) tier triton:${TRITON_SECONDS:-150} compile:${COMPILE_SECONDS:-150} operability:${OPER_SECONDS:-150}
