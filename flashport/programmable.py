@@ -18,6 +18,7 @@ grad enters one of its torch operations without having been made by it is a capt
 """
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional
 
@@ -192,14 +193,31 @@ def builtin_documents(prog: Optional[Programmable], batch: int, heads_q: int, sq
     return _documents_of_ids(rule[1], rule[2], batch, sq, torch.device(device))
 
 
+# id(ids) -> (weak reference to ids, ids._version when read, {(causal, batch, s): documents tuple or None})
+_FOUND_DOCUMENTS: dict = {}
+
+
 def _documents_of_ids(ids: torch.Tensor, causal: bool, batch: int, s: int, device) -> Optional[tuple]:
     """BlockMask.documents' tuple from document ids [S] or [B, S] (the first s of each entry), or None where an id
-    comes back after another (not packed: no varlen call equals it).  Reads the ids' run counts (a sync on a GPU,
-    as a block mask's own rules are read)."""
+    comes back after another (not packed: no varlen call equals it).  Reading the ids' run counts is a sync on a
+    GPU, so the answer is kept for as long as the ids tensor lives unchanged (its version counter): a training
+    loop's later calls with the same mod neither sync nor recompute, as a block mask's rules are found once."""
     if (not isinstance(ids, torch.Tensor) or ids.dtype.is_floating_point or ids.dtype == torch.bool
             or ids.device != device or ids.dim() not in (1, 2) or ids.shape[-1] < s
             or (ids.dim() == 2 and ids.shape[0] != batch) or s == 0 or batch == 0):
         return None
+    key = id(ids)
+    entry = _FOUND_DOCUMENTS.get(key)
+    if entry is None or entry[0]() is not ids or entry[1] != ids._version:
+        entry = (weakref.ref(ids, lambda _, key=key: _FOUND_DOCUMENTS.pop(key, None)), ids._version, {})
+        _FOUND_DOCUMENTS[key] = entry
+    found = entry[2]
+    if (causal, batch, s) not in found:
+        found[(causal, batch, s)] = _read_documents(ids, bool(causal), batch, s)
+    return found[(causal, batch, s)]
+
+
+def _read_documents(ids: torch.Tensor, causal: bool, batch: int, s: int) -> Optional[tuple]:
     ids = ids.detach()[..., :s].expand(batch, s)
     start = torch.ones_like(ids, dtype=torch.bool)
     start[:, 1:] = ids[:, 1:] != ids[:, :-1]

@@ -544,6 +544,27 @@ def test_declared_documents_run_as_varlen_without_a_block_mask(monkeypatch):
     assert _documents_of_ids(shared, True, 2, 40, torch.device("cpu"))[0].tolist() == [0, 7, 37, 40, 47, 77, 80]
 
 
+def test_declared_documents_are_read_once_per_ids_version(monkeypatch):
+    """The run counts of mods.document's ids (a sync on a GPU) are read once while the ids tensor lives unchanged;
+    an in-place edit of the ids (its version counter) is read again, and the call follows the new documents."""
+    import flashport.programmable as programmable
+    reads = []
+    real = programmable._read_documents
+    monkeypatch.setattr(programmable, "_read_documents", lambda *a: reads.append(1) or real(*a))
+    ids = torch.repeat_interleave(torch.arange(3), torch.tensor([7, 30, 3]))
+    q, k, v, do = _inputs(torch.float32, sq=40, sk=40)
+    mod = mods.document(ids)
+    first = flashport.attention(q, k, v, mask_mod=mod)
+    assert torch.equal(first, flashport.attention(q, k, v, mask_mod=mod)) and len(reads) == 1
+    ids[20:] = 5                        # now documents of 7, 13 and 20 positions
+    out, lse = flashport.attention(q, k, v, mask_mod=mod, return_lse=True)
+    assert len(reads) == 2 and not torch.equal(out, first)
+    _assert_as_reference(q, k, v, do, out, lse, mask_mod=mod)
+    key = id(ids)
+    del mod, ids
+    assert key not in programmable._FOUND_DOCUMENTS     # kept no longer than the ids live
+
+
 def test_block_mask_prefix_is_found():
     """Prefix-LM block masks give P (P = 1 is causal, a band; P = S sees everything, a band); a prefix that
     differs per head, a hole, a window after the prefix, or Sq != Sk give None."""
