@@ -30,6 +30,8 @@ from typing import Callable, Optional
 
 import torch
 
+from .mod_state import fingerprint, same
+
 MAX_REACH = 1 << 20        # the largest breakpoint evaluated (a window of a million keys); beyond: not recognised
 MAX_SCALE = 1 << 16        # the largest coefficient of q_idx or kv_idx accepted (|values| stay far below 2**63)
 
@@ -178,7 +180,7 @@ def _recognise(mask_mod: Callable) -> Optional[tuple]:
     return None if reach is None else _band(gm, reach)
 
 
-# code (or the callable itself) -> (its _fingerprint, rule): a training loop passes the same mask every step, often
+# code (or the callable itself) -> (its fingerprint, rule): a training loop passes the same mask every step, often
 # as a new lambda of the same code; tracing costs milliseconds.  Bounded.
 _memo: OrderedDict = OrderedDict()
 MEMO_SIZE = 64
@@ -187,13 +189,10 @@ MEMO_SIZE = 64
 def band_of(mask_mod: Callable) -> Optional[tuple]:
     """("band", left, right) in the mask_mod's own (top-left) positions, as `mods._rule` declares it, where the
     mask_mod provably is one; else None."""
-    from .kernels.mod_codegen import _fingerprint, _same
-    # what the trace depends on beyond the code: what it closes over and names (_fingerprint), and its defaults
-    fp = _fingerprint(mask_mod) + tuple(getattr(mask_mod, "__defaults__", None) or ()) + \
-        tuple((getattr(mask_mod, "__kwdefaults__", None) or {}).values())
+    fp = fingerprint(mask_mod)   # what the trace read beyond the code, by value (mod_state)
     key = fp[0] if fp and fp[0] is not None else mask_mod
     hit = _memo.get(key)
-    if hit is not None and _same(hit[0][1:], fp[1:]):
+    if hit is not None and same(hit[0][1:], fp[1:]):
         _memo.move_to_end(key)
         return hit[1]
     rule = _recognise(mask_mod)

@@ -35,6 +35,7 @@ from typing import Callable, Optional, Union
 import torch
 
 from .. import env
+from ..mod_state import fingerprint, same
 from .mod_ops import TL, Refused, lit, made_by_the_mod, op_name, translate, zero_d
 
 MAX_CAPTURED = 8       # captured tensors one call's mods may read (each is 1 + 2 * rank entries of the `cap` tuple)
@@ -382,44 +383,10 @@ class CompiledMods:
         return tuple(out)
 
 
-def _fingerprint(fn, depth: int = 3) -> tuple:
-    """What a memoised compile of fn depends on beyond its code: the objects its closure cells, the globals its code
-    names, its bound instance and module attributes hold, and (depth levels down) the same of functions among them;
-    compared by identity, so a tensor rebound anywhere there is a new trace, while new values in place are not."""
-    if fn is None:
-        return ()
-    code = getattr(fn, "__code__", None) or getattr(getattr(fn, "forward", None), "__code__", None)
-    out = [code]
-    held = []
-    for cell in getattr(fn, "__closure__", None) or ():
-        try:
-            held.append(cell.cell_contents)
-        except ValueError:   # an empty cell
-            held.append(None)
-    glob = getattr(fn, "__globals__", None) or getattr(getattr(fn, "forward", None), "__globals__", {})
-    held += [glob[n] for n in (code.co_names if code is not None else ()) if n in glob]
-    owner = getattr(fn, "__self__", None) or (fn if isinstance(fn, torch.nn.Module) else None)
-    if owner is not None:
-        held += list(getattr(owner, "__dict__", {}).values())
-        if isinstance(owner, torch.nn.Module):
-            held += list(owner._parameters.values()) + list(owner._buffers.values())
-    for x in held:
-        out.append(x)
-        inner = x if isinstance(x, (tuple, list)) else (x,)
-        if depth > 0:
-            out += [y for f in inner if callable(f) and not isinstance(f, (type, torch.Tensor)) and
-                    hasattr(f, "__code__") for y in _fingerprint(f, depth - 1)]
-    return tuple(out)
-
-
 # (id(score_mod), id(mask_mod), device) -> (score_mod, mask_mod, fingerprints, result): a training loop calls the
 # same mods every step, and tracing costs milliseconds.  Bounded; an entry keeps its mods and tensors alive.
 _memo: OrderedDict = OrderedDict()
 MEMO_SIZE = 64
-
-
-def _same(a: tuple, b: tuple) -> bool:
-    return len(a) == len(b) and all(x is y for x, y in zip(a, b))
 
 
 def _compile(score_mod, mask_mod, device, grads_for: tuple = ()) -> Union[CompiledMods, str]:
@@ -452,14 +419,14 @@ def compile_mods(score_mod: Optional[Callable], mask_mod: Optional[Callable], de
                  grads_for: tuple = ()) -> Union[CompiledMods, str]:
     """CompiledMods of a call's mods on `device`, or the reason (naming the mod) why they are not compiled.
     grads_for: tensors score_mod captures whose gradients the backward computes (cap_grad).  Memoised per pair of
-    mod objects and those tensors while what the mods close over is the same (see _fingerprint)."""
+    mod objects and those tensors while what the mods read is the same (mod_state.fingerprint)."""
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
         device = torch.device("cuda", torch.cuda.current_device())
     key = (id(score_mod), id(mask_mod), device, tuple(map(id, grads_for)))
-    fps = (_fingerprint(score_mod), _fingerprint(mask_mod))
+    fps = (fingerprint(score_mod), fingerprint(mask_mod))
     hit = _memo.get(key)
-    if hit is not None and hit[0] is score_mod and hit[1] is mask_mod and all(map(_same, hit[2], fps)):
+    if hit is not None and hit[0] is score_mod and hit[1] is mask_mod and all(map(same, hit[2], fps)):
         _memo.move_to_end(key)
         return hit[3]
     result = _compile(score_mod, mask_mod, device, grads_for)

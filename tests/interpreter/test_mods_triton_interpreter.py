@@ -423,3 +423,41 @@ def test_programmable_dq_launches_with_8_warps_where_the_table_gives_4_for_128_r
     assert dq_config_with_mods(wide, plain) == wide                       # the plain kernels: the table's choice
     assert dq_config_with_mods(wide, with_mask).num_warps == 8
     assert dq_config_with_mods(narrow, with_mask) == narrow
+
+
+class _Scale:
+    def __init__(self, a):
+        self.a = a
+
+    def __call__(self, score, b, h, i, j):
+        return score * self.a
+
+
+def test_python_values_a_mod_reads_changed_in_place_reach_the_kernel():
+    """A trace bakes the Python values a mod reads, so the memo compares them by value: a captured list's entry, a
+    module's attribute read through `self`, a callable object's attribute and a mutable default, each changed in
+    place on the same mod object, give the new answer (they gave the old trace's before mod_state)."""
+    q, k, v, _ = _inputs(torch.float32)
+    cfg = [2]
+
+    class Owner(torch.nn.Module):
+        window = 3
+
+        def mod(self):
+            return lambda b, h, i, j: (i >= j) & (i - j <= self.window)
+
+    owner = Owner()
+
+    def by_default(b, h, i, j, w=[4]):
+        return (i >= j) & (i - j <= w[0])
+    cases = [(dict(mask_mod=lambda b, h, i, j: (i >= j) & (i - j <= cfg[0])), lambda: cfg.__setitem__(0, 9)),
+             (dict(mask_mod=owner.mod()), lambda: setattr(owner, "window", 11)),
+             (dict(score_mod=_Scale(0.5)), None),
+             (dict(mask_mod=by_default), lambda: by_default.__defaults__[0].__setitem__(0, 7))]
+    cases[2] = (cases[2][0], lambda: setattr(cases[2][0]["score_mod"], "a", 3.0))
+    for kw, change in cases:
+        first = flashport.attention(q, k, v, backend="triton", **kw)
+        change()
+        out = flashport.attention(q, k, v, backend="triton", **kw)
+        torch.testing.assert_close(out, flashport.attention(q, k, v, backend="reference", **kw), rtol=0, atol=1e-5)
+        assert not torch.allclose(out, first), kw
