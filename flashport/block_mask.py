@@ -115,6 +115,15 @@ class BlockMask:
         return self.state[bb, hh, i // qb, j // kb] != EMPTY
 
 
+def checked_mask(m) -> torch.Tensor:
+    """A mask_mod's result, which must be a bool tensor as in Flex: an additive 0 / -inf mask or an int would
+    otherwise be read as visible wherever it is nonzero."""
+    if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+        got = f"a {m.dtype} tensor" if isinstance(m, torch.Tensor) else type(m).__name__
+        raise TypeError(f"mask_mod must return a bool tensor (True where the key is visible), got {got}")
+    return m
+
+
 def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Sq: int, Sk: int,
                       device=None, block_size=128) -> BlockMask:
     """Evaluate mask_mod(b, h, q_idx, kv_idx) -> bool on the whole grid, once, in bounded chunks, and
@@ -122,12 +131,25 @@ def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Sq
     block_size: an int or (q_block, kv_block)."""
     if not callable(mask_mod):
         raise TypeError(f"mask_mod must be callable, got {type(mask_mod).__name__}")
-    qb, kb = (block_size, block_size) if isinstance(block_size, int) else tuple(block_size)
+    for n, name in ((B, "B"), (H, "H")):
+        if n is not None and (not isinstance(n, int) or isinstance(n, bool)):
+            raise TypeError(f"{name} must be an int or None, got {type(n).__name__}")
+        if n is not None and n < 1:
+            raise ValueError(f"{name} must be positive or None (the mask does not depend on it), got {n}")
+    pair = (block_size, block_size) if isinstance(block_size, int) else block_size
+    if not isinstance(pair, (tuple, list)) or len(pair) != 2:
+        raise TypeError(f"block_size must be an int or a pair (q_block, kv_block) of ints, got {block_size!r}")
+    qb, kb = pair
     for n, name in ((Sq, "Sq"), (Sk, "Sk"), (qb, "block_size"), (kb, "block_size")):
-        if not isinstance(n, int) or isinstance(n, bool) or n < (1 if name == "block_size" else 0):
+        if not isinstance(n, int) or isinstance(n, bool):
+            raise TypeError(f"{name} must be an int, got {type(n).__name__}")
+        if n < (1 if name == "block_size" else 0):
             raise ValueError(f"{name} must be a {'positive' if name == 'block_size' else 'non-negative'} int, got {n!r}")
     b, h = B or 1, H or 1
-    device = torch.device(device if device is not None else "cpu")
+    try:
+        device = torch.device(device if device is not None else "cpu")
+    except (RuntimeError, TypeError) as e:
+        raise ValueError(f"device must name a torch device, got {device!r}") from e
     nq, nk = -(-Sq // qb), -(-Sk // kb)
     state = torch.full((b, h, nq, nk), EMPTY, dtype=torch.int8, device=device)
     bi = torch.arange(b, device=device).view(b, 1, 1, 1)
@@ -139,7 +161,7 @@ def create_block_mask(mask_mod: Callable, B: Optional[int], H: Optional[int], Sq
         for c0 in range(0, nk, tiles_k):
             c1 = min(c0 + tiles_k, nk)
             j = torch.arange(c0 * kb, min(c1 * kb, Sk), device=device)
-            m = mask_mod(bi, hi, i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)).to(torch.bool)
+            m = checked_mask(mask_mod(bi, hi, i.view(1, 1, -1, 1), j.view(1, 1, 1, -1)))
             m = torch.broadcast_to(m, (b, h, i.numel(), j.numel()))
             pad = (c1 - c0) * kb - j.numel()   # keys past Sk: neither visible nor masking
             anyv = torch.nn.functional.pad(m, (0, pad), value=False).view(b, h, i.numel(), c1 - c0, kb).any(-1).any(2)
@@ -189,7 +211,7 @@ def _row_runs(bm: BlockMask, batch: int, heads: int, max_partial: Optional[int])
         for n in range(kmax):
             j0 = pc[..., n] * kb                                      # [b', h', rows]: the tile's first key
             j = j0[..., None] + keys
-            vis = (j < sk) & bm.mask_mod(bi, hi, qi, j.clamp(0, sk - 1)).to(torch.bool)
+            vis = (j < sk) & checked_mask(bm.mask_mod(bi, hi, qi, j.clamp(0, sk - 1)))
             u8 = vis.to(torch.uint8)
             fc = fc + u8.sum(-1)
             seen_any = u8.amax(-1) > 0

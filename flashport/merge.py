@@ -20,6 +20,8 @@ def validate_states(outs, lses) -> None:
     for n, (o, l) in enumerate(zip(outs, lses)):
         if not isinstance(o, torch.Tensor) or not isinstance(l, torch.Tensor):
             raise TypeError(f"outs[{n}] and lses[{n}] must be tensors")
+        if not o.is_floating_point():
+            raise TypeError(f"outs[{n}] must be a floating tensor (attention outputs), got {o.dtype}")
         if o.dim() != 4:
             raise ValueError(f"outs[{n}] must be [B, Sq, Hq, Dv], got shape {tuple(o.shape)}")
         if o.shape != o0.shape or o.dtype != o0.dtype or o.device != o0.device:

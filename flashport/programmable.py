@@ -26,7 +26,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from .block_mask import BlockMask, as_block_mask, documents_of_starts
+from .block_mask import BlockMask, as_block_mask, checked_mask, documents_of_starts
 from .mask_rules import band_of
 
 FEATURES = ("score_mod", "mask_mod", "block_mask", "attn_bias")
@@ -55,12 +55,21 @@ class _Probe(TorchFunctionMode):
 
 
 def captured_tensors(score_mod: Callable, device) -> tuple:
-    """The tensors requiring grad that score_mod reads (closures, globals, module parameters alike)."""
+    """The tensors requiring grad that score_mod reads (closures, globals, module parameters alike), and what the
+    probe call returned."""
     probe = _Probe()
     idx = torch.zeros((), dtype=torch.int64, device=device)
     with torch.enable_grad(), probe:
-        score_mod(torch.zeros((), dtype=torch.float32, device=device), idx, idx, idx, idx)
-    return tuple(probe.captured.values())
+        result = score_mod(torch.zeros((), dtype=torch.float32, device=device), idx, idx, idx, idx)
+    return tuple(probe.captured.values()), result
+
+
+def checked_score(r) -> torch.Tensor:
+    """A score_mod's result, which must be a floating tensor (the new scores)."""
+    if not isinstance(r, torch.Tensor) or not r.is_floating_point():
+        got = f"a {r.dtype} tensor" if isinstance(r, torch.Tensor) else type(r).__name__
+        raise TypeError(f"score_mod must return a floating tensor (the new score), got {got}")
+    return r
 
 
 @dataclass
@@ -94,7 +103,7 @@ class Programmable:
     def scores(self, s: torch.Tensor, b, h, i, j) -> torch.Tensor:
         """score_mod, then + attn_bias, on scores `s` whose entries sit at the broadcast (b, h, i, j)."""
         if self.score_mod is not None:
-            r = self.score_mod(s, b, h, i, j)
+            r = checked_score(self.score_mod(s, b, h, i, j))
             # broadcast only when the mod did not touch every index (a no-op expand trips Flex's lowering)
             s = (r if r.shape == s.shape else torch.broadcast_to(r, s.shape)).to(s.dtype)
         if self.attn_bias is not None:
@@ -111,7 +120,7 @@ class Programmable:
         if self.block_mask is not None:
             vis = self.block_mask.tile_visible(b, h, i, j)
         if self.mask_mod is not None:
-            m = self.mask_mod(b, h, i, j).to(torch.bool)
+            m = checked_mask(self.mask_mod(b, h, i, j))
             vis = m if vis is None else vis & m
         return vis
 
@@ -284,8 +293,9 @@ def build(score_mod, mask_mod, block_mask, attn_bias, *, batch: int, heads_q: in
     captured = ()
     if score_mod is not None:
         try:
-            captured = captured_tensors(score_mod, device)
+            captured, result = captured_tensors(score_mod, device)
         except Exception as e:  # a mod that fails on a scalar probe still runs on tiles; it just gets no captures
             raise ValueError(f"score_mod failed on a probe call score_mod(score, b, h, q_idx, kv_idx) with 0-d "
                              f"tensors: {type(e).__name__}: {e}") from e
+        checked_score(result)
     return Programmable(score_mod, mask_mod, bm, attn_bias, captured)

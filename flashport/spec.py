@@ -138,8 +138,10 @@ def _index(x: torch.Tensor) -> torch.Tensor:
 
 
 def _bool(x, name: str) -> bool:
-    if not isinstance(x, bool):
-        raise TypeError(f"{name} must be a bool, got {type(x).__name__}")
+    if not isinstance(x, bool):   # the qualified name: NumPy's bool_ is called "bool" too
+        t = type(x)
+        raise TypeError(f"{name} must be a Python bool, got "
+                        f"{t.__qualname__ if t.__module__ == 'builtins' else t.__module__ + '.' + t.__qualname__}")
     return x
 
 
@@ -490,7 +492,9 @@ def kvcache_inputs(spec: AttnSpec, q, k_cache, v_cache, k, v, cache_seqlens, blo
         cache_seqlens = _index(cache_seqlens)
         if content_checks_enabled(q.device):
             cs = cache_seqlens.detach().cpu()
-            if cs.numel() and (cs.min().item() < 0 or cs.max().item() + s_new > capacity):
+            if cs.numel() and cs.min().item() < 0:
+                raise ValueError(f"cache_seqlens must be non-negative, got min {cs.min().item()}")
+            if cs.numel() and cs.max().item() + s_new > capacity:
                 raise ValueError(f"cache_seqlens + S_new must be in [0, {capacity}] (cache too small for "
                                  f"the append), got max {cs.max().item()} + {s_new}")
         seqlens = cache_seqlens + s_new if s_new else cache_seqlens
@@ -508,6 +512,11 @@ def _check_append_aliasing(k_cache, v_cache, k, v) -> None:
     flashport.overlap): the interleaved layout kv[:, :, 0] / kv[:, :, 1] shares a storage, not an element."""
     if overlaps(k_cache, v_cache):
         raise ValueError("k_cache and v_cache overlap in memory; appending k/v would write one into the other")
+    for cache, cache_name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
+        shared = [d for d in range(cache.dim()) if cache.stride(d) == 0 and cache.shape[d] > 1]
+        if shared:   # an expanded cache: every index along dimension d is one element
+            raise ValueError(f"{cache_name} is expanded (stride 0 in dimension {shared[0]}), so its entries share "
+                             f"memory; appending k/v would write them over each other (pass a real cache)")
     for new, new_name in ((k, "k"), (v, "v")):
         for cache, cache_name in ((k_cache, "k_cache"), (v_cache, "v_cache")):
             if overlaps(new, cache):

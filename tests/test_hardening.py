@@ -240,6 +240,10 @@ def _aliased_cases():
         "k into k_cache": (kv[:, :, 0], kv[:, :, 1], kv[:, 5:8, 0], kn, r"k \(new tokens\) overlaps k_cache"),
         "v into k_cache": (kv[:, :, 0], kv[:, :, 1], kn, kv[:, 5:8, 0], r"v \(new tokens\) overlaps k_cache"),
         "v into v_cache": (kv[:, :, 0], kv[:, :, 1], kn, kv[:, :3, 1], r"v \(new tokens\) overlaps v_cache"),
+        "expanded k_cache": (buf[:1, :10].expand(2, 10, 2, 16), buf[1:, :10].clone().expand(2, 10, 2, 16).clone(),
+                             kn, kn.clone(), r"k_cache is expanded \(stride 0 in dimension 0\)"),
+        "expanded heads": (buf[:, :10].clone(), buf[:, :10, :1].expand(2, 10, 2, 16), kn, kn.clone(),
+                           r"v_cache is expanded \(stride 0 in dimension 2\)"),
     }
 
 
@@ -250,6 +254,21 @@ def test_aliased_caches_and_appends_raise(case):
     with pytest.raises(ValueError, match=msg):
         flashport.attention_with_kvcache(**_append_args(kc, vc, kn, vn), backend="reference")
     assert torch.equal(kc, before[0]) and torch.equal(vc, before[1])   # nothing written
+
+
+def test_bad_values_are_named_in_their_errors():
+    """cache_seqlens below 0 names the value (it read as a capacity overflow), a NumPy bool names its type (it
+    read "must be a bool, got bool"), integer outputs to merge_attention_states are a TypeError."""
+    np = pytest.importorskip("numpy")
+    kc, vc = torch.randn(2, 10, 2, 16), torch.randn(2, 10, 2, 16)
+    q = torch.randn(2, 1, 4, 16)
+    with pytest.raises(ValueError, match="cache_seqlens must be non-negative, got min -1"):
+        flashport.attention_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([-1, 0], dtype=torch.int32))
+    with pytest.raises(TypeError, match="causal must be a Python bool, got numpy.bool"):
+        flashport.attention(q, kc, vc, causal=np.bool_(True))
+    with pytest.raises(TypeError, match=r"outs\[0\] must be a floating tensor"):
+        flashport.merge_attention_states([torch.ones(1, 2, 4, 16, dtype=torch.int64)] * 2,
+                                         [torch.zeros(1, 4, 2)] * 2)
 
 
 def test_one_tensor_as_both_caches_without_an_append_is_fine():

@@ -320,6 +320,38 @@ def test_bad_programmable_input_names_the_argument():
         flashport.attention(q, k, v, block_mask="causal")
 
 
+@pytest.mark.parametrize("backend", [None, "reference", "blockwise", "sdpa-cpu"])
+@pytest.mark.parametrize("kw, name, got", [
+    (dict(mask_mod=lambda b, h, i, j: True), "mask_mod", "got bool"),
+    (dict(mask_mod=lambda b, h, i, j: None), "mask_mod", "got NoneType"),
+    (dict(mask_mod=lambda b, h, i, j: torch.where(i >= j, 0.0, float("-inf"))), "mask_mod", "float32 tensor"),
+    (dict(score_mod=lambda s, b, h, i, j: 1.0), "score_mod", "got float"),
+    (dict(score_mod=lambda s, b, h, i, j: i - j), "score_mod", "int64 tensor"),
+])
+def test_a_mod_returning_the_wrong_kind_of_value_is_a_type_error(backend, kw, name, got):
+    """An additive 0 / -inf mask from mask_mod would otherwise read as visible wherever it is nonzero."""
+    q, k, v, _ = _inputs(torch.float32)
+    with pytest.raises(TypeError, match=f"{name} must return .*{got}"):
+        flashport.attention(q, k, v, backend=backend, **kw)
+    if name == "mask_mod":
+        with pytest.raises(TypeError, match=f"mask_mod must return .*{got}"):
+            flashport.create_block_mask(kw["mask_mod"], None, None, S, S)
+
+
+def test_bad_create_block_mask_arguments_name_the_argument():
+    for bad, err, name in (((-1, None), ValueError, "B"), ((0, None), ValueError, "B"), ((None, -2), ValueError, "H"),
+                           ((1.5, None), TypeError, "B"), (("2", None), TypeError, "B"), ((True, None), TypeError, "B")):
+        with pytest.raises(err, match=f"^{name} "):
+            flashport.create_block_mask(mods.causal, *bad, S, S)
+    for block_size in ((2,), "2", 2.0, None, (2, 0), (2, 2.5)):
+        with pytest.raises((TypeError, ValueError), match="^block_size "):
+            flashport.create_block_mask(mods.causal, None, None, S, S, block_size=block_size)
+    with pytest.raises(ValueError, match="^device "):
+        flashport.create_block_mask(mods.causal, None, None, S, S, device="bogus")
+    with pytest.raises(TypeError, match="^Sq "):
+        flashport.create_block_mask(mods.causal, None, None, 4.0, S)
+
+
 # ----------------------------------------------------------------------------- varlen
 @pytest.mark.parametrize("backend", ["reference", "blockwise"])
 def test_varlen_mods_equal_per_sequence_calls(backend, small_tiles):
