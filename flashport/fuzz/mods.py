@@ -68,16 +68,20 @@ def draw(seed: int, index: int) -> dict:
             c.update(score="none", bias="none")
     if c["mask"] == "document" and c["sk"] == c["sq"] and rng.random() < 0.5:
         c.update(block=False)   # the ids mods.document declares: a varlen call without a block mask
+    # a lambda whose window lives in a list it captures, called first with another window: the memos of traced mods
+    # must see the value change in place (mod_state), or the checked call runs the first window
+    c.update(stateful=c["mask"] == "lambda" and rng.random() < 0.5)
     return c
 
 
-def _lambda_mask(name: str, sq: int, sk: int, w: int):
+def _lambda_mask(name: str, sq: int, sk: int, w: list):
+    """A user's mask_mod as a lambda; the windows read w[0], a Python value the caller may change in place."""
     off = sk - sq
     return {"causal": lambda b, h, i, j: i >= j,
             "causal_bottom_right": lambda b, h, i, j: i + off >= j,
-            "window": lambda b, h, i, j: (i >= j) & (i - j <= w),
-            "symmetric": lambda b, h, i, j: (i - j).abs() <= w,
-            "ahead": lambda b, h, i, j: (j - i <= w) & (i - j <= w // 2),
+            "window": lambda b, h, i, j: (i >= j) & (i - j <= w[0]),
+            "symmetric": lambda b, h, i, j: (i - j).abs() <= w[0],
+            "ahead": lambda b, h, i, j: (j - i <= w[0]) & (i - j <= w[0] // 2),
             "strict": lambda b, h, i, j: i > j,
             "every_third": lambda b, h, i, j: (i - j) % 3 == 0}[name]
 
@@ -104,7 +108,7 @@ def _band_mask(sq: int, sk: int, left: int, right: int):
     return mask
 
 
-def _mods(c: dict, g: torch.Generator, device):
+def _mods(c: dict, g: torch.Generator, device, window: list):
     sq, sk, hq = c["sq"], c["sk"], c["hq"]
     mask = {"none": None, "causal": mods.causal, "window_sinks": mods.sliding_window(c["window"], sinks=2),
             "prefix_lm": mods.prefix_lm(c["window"]),
@@ -114,7 +118,7 @@ def _mods(c: dict, g: torch.Generator, device):
                                               seed=c["data_seed"], device=device),
             "empty_rows": lambda b, h, i, j: (i >= sq // 2) & (j <= i + h % 2),
             "band": _band_mask(sq, sk, *c.get("band", (-1, -1))),
-            "lambda": _lambda_mask(c.get("lam", "causal"), sq, sk, c["window"])}[c["mask"]]
+            "lambda": _lambda_mask(c.get("lam", "causal"), sq, sk, window)}[c["mask"]]
     table = torch.randn(hq, 7, generator=g).to(device).requires_grad_(c["grad_table"])
     slopes = (torch.rand(hq, generator=g) * 0.5).to(device)
     score = {"none": None, "alibi": mods.alibi(slopes), "softcap": mods.tanh_softcap(2.5),
@@ -145,13 +149,18 @@ def _run(c: dict, backend: str | None, device: str) -> dict:
     q, k, v = (torch.randn(c["b"], s, h, c["d"], generator=g).to(device, dtype).requires_grad_()
                for s, h in ((c["sq"], c["hq"]), (c["sk"], c["hkv"]), (c["sk"], c["hkv"])))
     do = torch.randn(c["b"], c["sq"], c["hq"], c["d"], generator=g).to(device, dtype)
-    score, mask, bias, table = _mods(c, g, device)
+    window = [c["window"] + 3 if c.get("stateful") else c["window"]]
+    score, mask, bias, table = _mods(c, g, device, window)
     bm = None
     if c["block"] and mask is not None:
         bm = flashport.create_block_mask(mask, c["b"], c["hq"], c["sq"], c["sk"], device=device,
                                          block_size=c["block_size"])
         mask = None
     kw = dict(score_mod=score, mask_mod=mask, block_mask=bm, attn_bias=bias, causal=c["causal"])
+    if c.get("stateful"):   # the first window traced and memoised, then the case's own set in place
+        with torch.no_grad():
+            flashport.attention(q, k, v, backend=backend, **kw)
+        window[0] = c["window"]
     try:
         before = flashport.rewrites()
         out, lse = flashport.attention(q, k, v, backend=backend, return_lse=True, **kw)
@@ -216,6 +225,7 @@ def main(argv=None) -> int:
             counts[f"{key}={c[key]}"] = counts.get(f"{key}={c[key]}", 0) + 1
         if c["mask"] == "lambda":
             counts[f"lambda={c['lam']}"] = counts.get(f"lambda={c['lam']}", 0) + 1
+            counts[f"lambda_stateful={c['stateful']}"] = counts.get(f"lambda_stateful={c['stateful']}", 0) + 1
         for rule in r.get("rewritten", ()):   # run as a built-in call (backend=None): flashport.rewrites' rules
             counts[f"as_builtin_{rule}"] = counts.get(f"as_builtin_{rule}", 0) + 1
         counts[f"block_mask={c['block'] and c['mask'] != 'none'}"] = counts.get(
