@@ -52,6 +52,19 @@ def test_the_fuzzer_catches_a_wrong_bias_gradient(monkeypatch):
     assert fuzz_mods.run(c, "blockwise", "cpu")["status"] == "FAIL"
 
 
+def test_the_fuzzer_catches_a_memo_that_keeps_a_stale_window(monkeypatch):
+    """A stateful lambda case (its window changed in place after a first call) must fail when the band reader's
+    memo matches mods by identity, as it did before mod_state, and pass as shipped."""
+    from flashport import mask_rules
+    c = dict(fuzz_mods.draw(SEED, 0), mask="lambda", lam="window", stateful=True, block=False, sq=40, sk=40,
+             window=5, causal=False, score="none", bias="none", dtype="float32")
+    assert fuzz_mods.run(c, None, "cpu")["status"] == "PASS"
+    monkeypatch.setattr(mask_rules, "_memo", type(mask_rules._memo)())
+    monkeypatch.setattr(mask_rules, "same", lambda a, b: len(a) == len(b) and all(x is y for x, y in zip(a, b)))
+    monkeypatch.setattr(mask_rules, "fingerprint", lambda fn: (fn.__code__, *(x.cell_contents for x in fn.__closure__)))
+    assert fuzz_mods.run(c, None, "cpu")["status"] == "FAIL"
+
+
 def test_a_case_that_raises_is_a_fail_naming_the_error(monkeypatch):
     """A backend that raises (not a declared refusal) is one FAIL with the error's name, and the run goes on: in
     the 21st session's GPU tier an exception out of one flex case ended the whole test unnamed."""
