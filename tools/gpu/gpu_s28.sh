@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The 28th session's device calls.  Each part returns $OUT/<part>.tgz (results under /tmp/s27_<part>).
+# The 28th session's device calls.  Each part returns $OUT/<part>.tgz (results under /tmp/s28_<part>).
 #   PART=g (one call, ~500 s, any sm_90 card, no FA4): an auto fuzz with FLASHPORT_CUDNN_FIRST=1 (row 97: cuDNN
 #          first where no table bucket fits, counted by its backend:sdpa-cudnn line); the triton GPU tier and a triton
 #          fuzz (direct launches, row 96); the SDXL cell's backend=None vs backend='triton' host time with the order
@@ -7,6 +7,8 @@
 #          FLASHPORT_DECODE_FIXED_CHUNKS 1 / 0 (row 93)
 #   PART=t1 / t2 (~550 / ~450 s, any sm_90): the GPU tier files this session's limits cut (hopper_fwd, hopper_bwd;
 #          triton, compile, operability), with limits a fresh machine's compiles fit in
+#   The 28th session had no device: its parts are the 27th's, with new fuzz seeds; part k's fuzz and part b's
+#   programmable tier now also cover the 28th session's mod_state memo (stateful lambda cases of the mods fuzz).
 #   PART=k (~320 s, any sm_90): after cuDNN-first's flip, the fixed q_chunks test, the operability tier (the leak test
 #          runs the shipped defaults), an auto fuzz with every default, and probe_static_mla.py
 #   PART=i (the same warm card after g, ~150 s, any sm_90): row 97's rule measured where it acts -- backend=None with
