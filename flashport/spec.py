@@ -252,6 +252,8 @@ def _alibi(alibi_slopes, batch: int, heads_q: int, device) -> Optional[str]:
         raise TypeError(f"alibi_slopes must be float32, got {alibi_slopes.dtype}")
     if alibi_slopes.device != device:
         raise ValueError(f"alibi_slopes must be on q's device {device}, got {alibi_slopes.device}")
+    if content_checks_enabled(device) and not bool(torch.isfinite(alibi_slopes).all()):
+        raise ValueError("alibi_slopes must be finite (a NaN or inf slope makes every score of its head NaN)")
     if tuple(alibi_slopes.shape) == (heads_q,):
         return "head"
     if tuple(alibi_slopes.shape) == (batch, heads_q):

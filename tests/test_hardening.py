@@ -266,6 +266,8 @@ def test_bad_values_are_named_in_their_errors():
         flashport.attention_with_kvcache(q, kc, vc, cache_seqlens=torch.tensor([-1, 0], dtype=torch.int32))
     with pytest.raises(TypeError, match="causal must be a Python bool, got numpy.bool"):
         flashport.attention(q, kc, vc, causal=np.bool_(True))
+    with pytest.raises(ValueError, match="alibi_slopes must be finite"):
+        flashport.attention(q, kc, vc, alibi_slopes=torch.tensor([0.5, float("nan"), 0.1, 0.2]))
     with pytest.raises(TypeError, match=r"outs\[0\] must be a floating tensor"):
         flashport.merge_attention_states([torch.ones(1, 2, 4, 16, dtype=torch.int64)] * 2,
                                          [torch.zeros(1, 4, 2)] * 2)
