@@ -68,9 +68,10 @@ def draw(seed: int, index: int) -> dict:
             c.update(score="none", bias="none")
     if c["mask"] == "document" and c["sk"] == c["sq"] and rng.random() < 0.5:
         c.update(block=False)   # the ids mods.document declares: a varlen call without a block mask
-    # a lambda whose window lives in a list it captures, called first with another window: the memos of traced mods
-    # must see the value change in place (mod_state), or the checked call runs the first window
-    c.update(stateful=c["mask"] == "lambda" and rng.random() < 0.5)
+    # state changed in place between two calls of one mod, which the memos must see: a lambda whose window lives in a
+    # list it captures, called first with another window (mod_state), or mods.document's ids, first one document
+    # (the documents read per ids version)
+    c.update(stateful=(c["mask"] == "lambda" or c["mask"] == "document" and not c["block"]) and rng.random() < 0.5)
     return c
 
 
@@ -110,10 +111,10 @@ def _band_mask(sq: int, sk: int, left: int, right: int):
 
 def _mods(c: dict, g: torch.Generator, device, window: list):
     sq, sk, hq = c["sq"], c["sk"], c["hq"]
+    ids = torch.sort(torch.randint(0, 3, (max(sq, sk),), generator=g))[0].to(device)
     mask = {"none": None, "causal": mods.causal, "window_sinks": mods.sliding_window(c["window"], sinks=2),
             "prefix_lm": mods.prefix_lm(c["window"]),
-            "document": mods.document(torch.sort(torch.randint(0, 3, (max(sq, sk),), generator=g))[0].to(device),
-                                      causal=c.get("doc_causal", False)),
+            "document": mods.document(ids, causal=c.get("doc_causal", False)),
             "block_sparse": mods.block_sparse(-(-sq // 8), -(-sk // 8), block_size=8, density=0.4,
                                               seed=c["data_seed"], device=device),
             "empty_rows": lambda b, h, i, j: (i >= sq // 2) & (j <= i + h % 2),
@@ -125,7 +126,7 @@ def _mods(c: dict, g: torch.Generator, device, window: list):
              "rel_table": mods.relative_position(table)}[c["score"]]
     shape = {"none": None, "full": (c["b"], hq, sq, sk), "head_row": (hq, sq, 1), "key_only": (sk,)}[c["bias"]]
     bias = None if shape is None else torch.randn(*shape, generator=g).to(device).requires_grad_(c["grad_bias"])
-    return score, mask, bias, table
+    return score, mask, bias, table, ids
 
 
 def run(c: dict, backend: str | None = "blockwise", device="cpu") -> dict:
@@ -150,7 +151,10 @@ def _run(c: dict, backend: str | None, device: str) -> dict:
                for s, h in ((c["sq"], c["hq"]), (c["sk"], c["hkv"]), (c["sk"], c["hkv"])))
     do = torch.randn(c["b"], c["sq"], c["hq"], c["d"], generator=g).to(device, dtype)
     window = [c["window"] + 3 if c.get("stateful") else c["window"]]
-    score, mask, bias, table = _mods(c, g, device, window)
+    score, mask, bias, table, ids = _mods(c, g, device, window)
+    case_ids = ids.clone()
+    if c.get("stateful") and c["mask"] == "document":
+        ids.zero_()                 # one document for the first call
     bm = None
     if c["block"] and mask is not None:
         bm = flashport.create_block_mask(mask, c["b"], c["hq"], c["sq"], c["sk"], device=device,
@@ -161,6 +165,7 @@ def _run(c: dict, backend: str | None, device: str) -> dict:
         with torch.no_grad():
             flashport.attention(q, k, v, backend=backend, **kw)
         window[0] = c["window"]
+        ids.copy_(case_ids)
     try:
         before = flashport.rewrites()
         out, lse = flashport.attention(q, k, v, backend=backend, return_lse=True, **kw)
@@ -225,7 +230,8 @@ def main(argv=None) -> int:
             counts[f"{key}={c[key]}"] = counts.get(f"{key}={c[key]}", 0) + 1
         if c["mask"] == "lambda":
             counts[f"lambda={c['lam']}"] = counts.get(f"lambda={c['lam']}", 0) + 1
-            counts[f"lambda_stateful={c['stateful']}"] = counts.get(f"lambda_stateful={c['stateful']}", 0) + 1
+        if c.get("stateful"):
+            counts[f"stateful_{c['mask']}"] = counts.get(f"stateful_{c['mask']}", 0) + 1
         for rule in r.get("rewritten", ()):   # run as a built-in call (backend=None): flashport.rewrites' rules
             counts[f"as_builtin_{rule}"] = counts.get(f"as_builtin_{rule}", 0) + 1
         counts[f"block_mask={c['block'] and c['mask'] != 'none'}"] = counts.get(
