@@ -8,8 +8,8 @@ trace (a wrong answer, silently).  `fingerprint` therefore records them by value
 
 - the callable's code, its closure cells, defaults, the globals its code names, and its owner (the instance of a
   bound method, a callable object or an nn.Module);
-- of objects, only the attributes the code names (`co_names`: `self.cfg.window` names cfg and window), so a large
-  module costs what the mod reads of it;
+- of objects, only the attributes the code names (`co_names`: `self.cfg.window` names cfg and window), properties
+  among them read, so a large module costs what the mod reads of it;
 - of lists, tuples and dicts, every entry (at most MAX_ENTRIES, else the fingerprint never matches: re-traced);
 - functions among them, their own fingerprint.
 
@@ -104,6 +104,14 @@ def _attributes(obj, names: frozenset, depth: int, out: list) -> None:
                 out.append(n)
                 _record(d[n], names, depth, out)
                 break
+        else:
+            if isinstance(getattr(type(obj), n, None), property):   # computed from other state on every read
+                out.append(n)
+                try:
+                    value = getattr(obj, n)
+                except Exception:  # noqa: BLE001 - a property that fails here fails in the trace as well
+                    value = object()    # never `same`: traced again
+                _record(value, names, depth, out)
 
 
 def same(a: tuple, b: tuple) -> bool:

@@ -35,6 +35,15 @@ class _Attn(torch.nn.Module):
         return score + self.table[h]
 
 
+class _Half:
+    def __init__(self, w):
+        self.full = w
+
+    @property
+    def window(self):
+        return self.full // 2
+
+
 class _Mul:
     def __init__(self, a):
         self.a = a
@@ -54,6 +63,7 @@ def test_values_changed_in_place_change_the_fingerprint():
     cfg, table = {"w": 3}, [1, 2]
     attn = _Attn(4)
     mul = _Mul(2.0)
+    half = _Half(4)
 
     def default(b, h, i, j, w=[6]):
         return i - j <= w[0]
@@ -67,6 +77,7 @@ def test_values_changed_in_place_change_the_fingerprint():
         (default, lambda: default.__defaults__[0].__setitem__(0, 7)),     # a mutable default
         (functools.partial(lambda s, b, h, i, j, c: s * c[0], c=cfg), lambda: cfg.update(w=9)),
         (lambda b, h, i, j: _global_window(b, h, i, j) & (i >= 0), lambda: LIMIT.__setitem__(0, 8)),  # a callee's
+        (lambda b, h, i, j: i - j <= half.window, lambda: setattr(half, "full", 9)),   # a property over other state
     ]
     for n, (fn, change) in enumerate(cases):
         assert _changes(fn, change), n
