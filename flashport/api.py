@@ -37,7 +37,9 @@ def attention(q, k, v, *, causal=False, softmax_scale=None, window_size=(-1, -1)
     mods = score_mod is not None or mask_mod is not None or block_mask is not None or attn_bias is not None
     if _compiling() and mods:
         raise NotImplementedError("flashport.attention with score_mod / mask_mod / block_mask / attn_bias does not "
-                                  "trace under torch.compile yet; call it outside the compiled region")
+                                  "trace under torch.compile yet; call it outside the compiled region, or pass a "
+                                  "built-in rule as its keyword (causal=, window_size=, alibi_slopes=, softcap=), "
+                                  "which traces")
     if _compiling():
         return ops.attention(q, k, v, causal=causal, softmax_scale=softmax_scale, window_size=window_size,
                              softcap=softcap, alibi_slopes=alibi_slopes, dropout_p=dropout_p,

@@ -119,3 +119,11 @@ def test_inductor_compiles_forward_and_backward():
     want = _grads(fn(q, k, v), (q, k, v))
     for a, b in zip(got, want):
         torch.testing.assert_close(a, b)
+
+
+def test_mods_under_compile_are_refused_with_the_way_out():
+    """Programmable calls do not trace yet: the error says so and names the built-in keywords that do."""
+    from flashport import mods
+    q = torch.randn(1, 16, 2, 16)
+    with pytest.raises(Exception, match="does not trace under torch.compile yet.*causal=, window_size="):
+        torch.compile(lambda q: flashport.attention(q, q, q, mask_mod=mods.causal), fullgraph=True)(q)
