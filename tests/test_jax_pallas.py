@@ -26,3 +26,24 @@ def test_flash_interpret(case):
         assert r.status == "SKIP" and FLASH_SKIPS[case.name] in r.note, r.note
     else:
         assert r.status == "PASS", f"{r.case}: {r.status} {r.worst} {r.err:.3e} > {r.bound:.3e} {r.note}"
+
+
+def test_splash_serves_a_second_trace_with_another_batch_and_head_dim():
+    """The splash kernel is cached per (heads, lengths, window, softcap); one built inside the first jit trace kept
+    that trace's arrays, and the next trace with the same key (another batch or head dim) raised
+    UnexpectedTracerError for the rest of the process."""
+    import jax
+    import jax.numpy as jnp
+
+    import flashport.jax as fj
+    from flashport.jax import pallas_tpu
+
+    pallas_tpu._splash_kernel.cache_clear()
+
+    def x(b, d):
+        return jnp.ones((b, 128, 2, d), jnp.float32)
+    for b, d in ((1, 64), (2, 64), (2, 40)):
+        out = fj.attention(x(b, d), x(b, d), x(b, d), backend="pallas-tpu")
+        assert out.shape == (b, 128, 2, d) and bool(jnp.allclose(out, 1.0))
+    g = jax.grad(lambda q: fj.attention(q, x(3, 40), x(3, 40), backend="pallas-tpu").sum())(x(3, 40))
+    assert g.shape == (3, 128, 2, 40)

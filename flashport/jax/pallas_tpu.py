@@ -99,6 +99,14 @@ class SplashBackend(JaxBackend):
 
 @functools.lru_cache(maxsize=64)
 def _splash_kernel(heads, sq, sk, left, right, softcap, interpret):
+    # Built at compile time even when first asked for inside a jit trace: the kernel holds its mask's arrays, and
+    # arrays made under a trace would be that trace's tracers, kept by the cache and escaping into every later
+    # trace with the same key (another batch, dtype or head dim: UnexpectedTracerError)
+    with jax.ensure_compile_time_eval():
+        return _build_splash_kernel(heads, sq, sk, left, right, softcap, interpret)
+
+
+def _build_splash_kernel(heads, sq, sk, left, right, softcap, interpret):
     from jax.experimental.pallas.ops.tpu.splash_attention import (BlockSizes, CausalMask, FullMask, LocalMask,
                                                                   MultiHeadMask, make_splash_mha)
     offset = sk - sq      # bottom-right: row i's diagonal key is i + Sk - Sq
