@@ -211,6 +211,13 @@ def check_out_dir(p: argparse.ArgumentParser, out: str) -> None:
         p.error(f"--out: cannot write into {out!r}: {e.strerror or e}")
 
 
+def check_log_path(p: argparse.ArgumentParser, path: str) -> None:
+    """--log must be a file we can write (its folder exists): checked before the fuzz runs its first case."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path) or not os.path.isdir(folder) or not os.access(folder, os.W_OK):
+        p.error(f"--log: cannot write {path!r} (a folder, or its folder {folder!r} is missing or read-only)")
+
+
 # ----------------------------------------------------------------------------- commands
 def cmd_check(args) -> int:
     import time
@@ -339,10 +346,10 @@ def main(argv=None) -> int:
     pc.add_argument("--log", default=None, metavar="PATH", help="--fuzz: write one JSON line per case to PATH")
     pc.add_argument("--frontend", choices=("torch", "jax"), default="torch",
                     help="jax: the flashport.jax backends on JAX's default platform (needs flashport[jax])")
-    pc.add_argument("--match", default=None, metavar="REGEX",
+    from .bench import add_arguments, positive_int, regex
+    pc.add_argument("--match", type=regex, default=None, metavar="REGEX",
                     help="--frontend jax: only the grid cases whose name matches")
     pb = sub.add_parser("bench", help="benchmark on the hardware present (JSON + PNG into --out)")
-    from .bench import add_arguments
     add_arguments(pb)
     pt = sub.add_parser("tune", help="measure every eligible backend on this card and write the selection table")
     pt.add_argument("--suite", choices=("standard", "models", "workloads", "all"), default="all",
@@ -350,9 +357,9 @@ def main(argv=None) -> int:
                          "windows, head dims 72 / 80 / 96, MLA 192/128, D=256)")
     pt.add_argument("--quick", action="store_true", help="the suites' smoke sizes")
     pt.add_argument("--device", default=None, help="cuda[:N] (default: cuda if available)")
-    pt.add_argument("--match", default=None, metavar="REGEX",
+    pt.add_argument("--match", type=regex, default=None, metavar="REGEX",
                     help="only the shapes whose label matches; merged into the table at --out")
-    pt.add_argument("--rounds", type=int, default=3, help="interleaved timing rounds per shape (default 3)")
+    pt.add_argument("--rounds", type=positive_int, default=3, help="interleaved timing rounds per shape (default 3)")
     pt.add_argument("--out", default=None, metavar="PATH",
                     help="table path (default: the cache directory, FLASHPORT_CACHE_DIR or ~/.cache/flashport)")
     args = p.parse_args(argv)
@@ -364,6 +371,8 @@ def main(argv=None) -> int:
             pc.error("--match applies to --frontend jax")
         args.dtypes = parse_dtypes(pc, args.dtype)
         check_backends(pc, args.backend)
+        if args.log is not None:
+            check_log_path(pc, args.log)
     if parser is not None and getattr(args, "frontend", "torch") != "jax":
         check_device(parser, args.device)
     if args.cmd == "bench":

@@ -228,8 +228,18 @@ def _requested(backend) -> str | None:
     return env.raw("FLASHPORT_BACKEND")
 
 
+_warned_disabled: set = set()
+
+
 def _disabled() -> frozenset:
-    return frozenset(n.strip() for n in env.value("FLASHPORT_DISABLE").split(",") if n.strip())
+    names = frozenset(n.strip() for n in env.value("FLASHPORT_DISABLE").split(",") if n.strip())
+    unknown = names - _REGISTRY.keys() - _warned_disabled
+    if unknown:   # a typo in the kill switch disables nothing: say so, once per name
+        _warned_disabled.update(unknown)
+        import warnings
+        warnings.warn(f"FLASHPORT_DISABLE names {', '.join(sorted(map(repr, unknown)))}, which no backend is called "
+                      f"(backends: {', '.join(sorted(_REGISTRY))}); it disables nothing", RuntimeWarning, stacklevel=2)
+    return names
 
 
 def _disabled_reasons(name: str, quarantine: bool = True) -> list[str]:
@@ -241,7 +251,7 @@ def _disabled_reasons(name: str, quarantine: bool = True) -> list[str]:
 
 def _parse(name) -> tuple[Backend, Backend]:
     if not isinstance(name, str):
-        raise TypeError(f"backend must be a str or None, got {type(name).__name__}")
+        raise TypeError(f"backend must be a backend's name (a str), got {type(name).__name__}")
     if "/" in name:
         f, _, b = name.partition("/")
         fb, bb = get(f), get(b)

@@ -239,10 +239,27 @@ def value(name: str) -> str:
     return SWITCHES[name].default if v is None else v
 
 
+_ON, _OFF = frozenset(("1", "true", "yes", "on")), frozenset(("0", "false", "no", "off"))
+_warned_flags: set = set()
+
+
 def flag(name: str) -> bool:
-    """A 0/1 switch.  Only "1" turns a default-off switch on, only "0" turns a default-on one off."""
+    """A 0/1 switch; true / yes / on and false / no / off (any case) read as 1 and 0, as Triton reads its own.
+    Anything else keeps the switch's default, with a warning once per value: a typo must not pass unnoticed."""
     v = value(name)
-    return v != "0" if SWITCHES[name].default == "1" else v == "1"
+    if v == "1" or v == "0":
+        return v == "1"
+    low = v.strip().lower()
+    if low in _ON or low in _OFF:
+        return low in _ON
+    if not low:                   # set but empty: as if unset
+        return SWITCHES[name].default == "1"
+    if (name, v) not in _warned_flags:
+        _warned_flags.add((name, v))
+        import warnings
+        warnings.warn(f"{name}={v!r} is not a 0/1 switch value (0, 1, true, false, yes, no, on, off); its default "
+                      f"{SWITCHES[name].default} is in force", RuntimeWarning, stacklevel=2)
+    return SWITCHES[name].default == "1"
 
 
 def interpreting() -> bool:

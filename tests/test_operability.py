@@ -443,3 +443,35 @@ def test_guard_never_quarantines_a_correct_backend_over_the_fuzzer():
     st = flashport.stats()
     assert sum(d["guard_checks"] for d in st.values()) >= 200
     assert all(d["guard_failures"] == 0 for d in st.values())
+
+
+def test_switch_values_read_as_triton_reads_them_and_typos_warn(monkeypatch):
+    """true / yes / on and false / no / off (any case) are 1 and 0; anything else keeps the default and warns once
+    (FLASHPORT_CHECKS=true used to leave the checks off silently, FLASHPORT_RANGES=no to leave ranges on)."""
+    monkeypatch.setattr(env, "_warned_flags", set())
+    for v, want in (("1", True), ("true", True), ("Yes", True), (" on ", True), ("0", False), ("FALSE", False),
+                    ("no", False), ("", False)):
+        monkeypatch.setenv("FLASHPORT_CHECKS", v)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            assert env.flag("FLASHPORT_CHECKS") is want, v
+    monkeypatch.setenv("FLASHPORT_RANGES", "no")
+    assert env.flag("FLASHPORT_RANGES") is False
+    monkeypatch.setenv("FLASHPORT_CHECKS", "maybe")
+    with pytest.warns(RuntimeWarning, match="FLASHPORT_CHECKS='maybe' is not a 0/1 switch value.*default 0"):
+        assert env.flag("FLASHPORT_CHECKS") is False
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")      # once per value
+        assert env.flag("FLASHPORT_CHECKS") is False
+
+
+def test_an_unknown_name_in_the_kill_switch_warns_once(monkeypatch):
+    monkeypatch.setattr(dispatch, "_warned_disabled", set())
+    monkeypatch.setenv("FLASHPORT_DISABLE", "blockwisex, reference")
+    q = torch.randn(1, 8, 2, 8)
+    with pytest.warns(RuntimeWarning, match="FLASHPORT_DISABLE names 'blockwisex'.*disables nothing"):
+        flashport.attention(q, q, q)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        flashport.attention(q, q, q)
+    assert "reference" in dispatch._disabled()

@@ -22,6 +22,23 @@ import time
 SUITES = ("auto", "cpu", "standard", "models", "workloads", "long", "decode", "programmable")
 
 
+def positive_int(text: str) -> int:
+    """argparse type: an int >= 1 (a count of heads, rounds or threads that must do something)."""
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, got {n}")
+    return n
+
+
+def regex(text: str) -> str:
+    """argparse type: a pattern re compiles (checked before any work, not when the first label is matched)."""
+    try:
+        re.compile(text)
+    except re.error as e:
+        raise argparse.ArgumentTypeError(f"not a regular expression ({e})") from None
+    return text
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--suite", choices=SUITES, default="auto",
                    help="auto = standard on a GPU, cpu otherwise")
@@ -31,8 +48,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--peers", default=None,
                    help="GPU: comma-separated implementations (default: flashport-triton,sdpa-cudnn,sdpa-fa2,"
                         "sdpa-efficient,flex)")
-    p.add_argument("--heads", type=int, default=4, help="CPU job: heads H (B=1, D=64)")
-    p.add_argument("--max-s", type=int, default=None, help="CPU job: largest sequence length")
+    p.add_argument("--heads", type=positive_int, default=4, help="CPU job: heads H (B=1, D=64)")
+    p.add_argument("--max-s", type=positive_int, default=None, help="CPU job: largest sequence length")
     p.add_argument("--budget-s", type=float, default=300.0,
                    help="CPU job: wall-clock budget; sizes predicted to overrun it are reported as time-skipped")
     p.add_argument("--threads", type=int, default=0,
@@ -42,12 +59,12 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--auto-vs-best", action="store_true",
                    help="GPU: instead of the peers, time every eligible backend and backend=None per cell, forward "
                         "and backward (flashport/tune.py), into bench_<suite>_autobest.json")
-    p.add_argument("--rounds", type=int, default=5,
+    p.add_argument("--rounds", type=positive_int, default=5,
                    help="--auto-vs-best: interleaved timing rounds per cell (default 5)")
     p.add_argument("--trace", default=None, metavar="PATH",
                    help="GPU: after the timed runs, one forward+backward of every cell (backend=None) under "
                         "torch.profiler, written as a Chrome trace (.json or .json.gz)")
-    p.add_argument("--match", default=None, metavar="REGEX",
+    p.add_argument("--match", type=regex, default=None, metavar="REGEX",
                    help="GPU: only the suite's shapes whose label matches (e.g. 's1024 h16 d128'), to re-measure a cell")
     p.add_argument("--frontend", choices=("torch", "jax"), default="torch",
                    help="jax: the flashport.jax backends (cudnn, blockwise, xla on a GPU; pallas-tpu on a TPU) on the "
