@@ -228,17 +228,11 @@ def _requested(backend) -> str | None:
     return env.raw("FLASHPORT_BACKEND")
 
 
-_warned_disabled: set = set()
-
-
 def _disabled() -> frozenset:
     names = frozenset(n.strip() for n in env.value("FLASHPORT_DISABLE").split(",") if n.strip())
-    unknown = names - _REGISTRY.keys() - _warned_disabled
-    if unknown:   # a typo in the kill switch disables nothing: say so, once per name
-        _warned_disabled.update(unknown)
-        import warnings
-        warnings.warn(f"FLASHPORT_DISABLE names {', '.join(sorted(map(repr, unknown)))}, which no backend is called "
-                      f"(backends: {', '.join(sorted(_REGISTRY))}); it disables nothing", RuntimeWarning, stacklevel=2)
+    for n in sorted(names - _REGISTRY.keys()):   # a typo in the kill switch disables nothing: say so, once per name
+        env.warn_once(f"FLASHPORT_DISABLE names {n!r}, which no backend is called (backends: "
+                      f"{', '.join(sorted(_REGISTRY))}); it disables nothing", stacklevel=2)
     return names
 
 

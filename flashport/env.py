@@ -240,7 +240,16 @@ def value(name: str) -> str:
 
 
 _ON, _OFF = frozenset(("1", "true", "yes", "on")), frozenset(("0", "false", "no", "off"))
-_warned_flags: set = set()
+_warned: set = set()
+
+
+def warn_once(message: str, stacklevel: int = 2) -> None:
+    """A RuntimeWarning the first time this message comes up in the process (a setting read on every call must not
+    repeat it); stacklevel as warnings.warn counts it from the caller."""
+    if message not in _warned:
+        _warned.add(message)
+        import warnings
+        warnings.warn(message, RuntimeWarning, stacklevel=stacklevel + 1)
 
 
 def flag(name: str) -> bool:
@@ -254,11 +263,8 @@ def flag(name: str) -> bool:
         return low in _ON
     if not low:                   # set but empty: as if unset
         return SWITCHES[name].default == "1"
-    if (name, v) not in _warned_flags:
-        _warned_flags.add((name, v))
-        import warnings
-        warnings.warn(f"{name}={v!r} is not a 0/1 switch value (0, 1, true, false, yes, no, on, off); its default "
-                      f"{SWITCHES[name].default} is in force", RuntimeWarning, stacklevel=2)
+    warn_once(f"{name}={v!r} is not a 0/1 switch value (0, 1, true, false, yes, no, on, off); its default "
+              f"{SWITCHES[name].default} is in force", stacklevel=2)
     return SWITCHES[name].default == "1"
 
 

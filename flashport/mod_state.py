@@ -59,7 +59,7 @@ def fingerprint(fn: Optional[Callable], depth: int = DEPTH) -> tuple:
         return ()
     code, glob, cells, defaults, owner = _parts(fn)
     names = frozenset(code.co_names) if code is not None else frozenset()
-    out: list = [code, len(cells), len(defaults)]
+    out: list = [code]          # the code fixes how many cells and defaults follow
     for x in (*cells, *defaults, *(glob[n] for n in sorted(names) if n in glob)):
         _record(x, names, depth, out)
     if owner is not None:

@@ -150,7 +150,6 @@ def _read(path: Path, want: dict) -> tuple[Table | None, str | None]:
 
 
 _loaded: dict = {}
-_warned: set = set()
 
 
 def active(device) -> tuple[Table | None, list[str]]:
@@ -175,9 +174,7 @@ def active(device) -> tuple[Table | None, list[str]]:
                 break
             notes.append(why)
         for n in notes:
-            if n not in _warned:
-                _warned.add(n)
-                warnings.warn(f"flashport: selection table {n}", RuntimeWarning, stacklevel=3)
+            env.warn_once(f"flashport: selection table {n}", stacklevel=3)
         result = (table, notes)
     _loaded[ck] = result
     return result

@@ -448,7 +448,7 @@ def test_guard_never_quarantines_a_correct_backend_over_the_fuzzer():
 def test_switch_values_read_as_triton_reads_them_and_typos_warn(monkeypatch):
     """true / yes / on and false / no / off (any case) are 1 and 0; anything else keeps the default and warns once
     (FLASHPORT_CHECKS=true used to leave the checks off silently, FLASHPORT_RANGES=no to leave ranges on)."""
-    monkeypatch.setattr(env, "_warned_flags", set())
+    monkeypatch.setattr(env, "_warned", set())
     for v, want in (("1", True), ("true", True), ("Yes", True), (" on ", True), ("0", False), ("FALSE", False),
                     ("no", False), ("", False)):
         monkeypatch.setenv("FLASHPORT_CHECKS", v)
@@ -466,7 +466,7 @@ def test_switch_values_read_as_triton_reads_them_and_typos_warn(monkeypatch):
 
 
 def test_an_unknown_name_in_the_kill_switch_warns_once(monkeypatch):
-    monkeypatch.setattr(dispatch, "_warned_disabled", set())
+    monkeypatch.setattr(env, "_warned", set())
     monkeypatch.setenv("FLASHPORT_DISABLE", "blockwisex, reference")
     q = torch.randn(1, 8, 2, 8)
     with pytest.warns(RuntimeWarning, match="FLASHPORT_DISABLE names 'blockwisex'.*disables nothing"):
